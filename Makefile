@@ -1,0 +1,32 @@
+# `make train` and `make test` each set up .venv on first use, then run.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test lint explain bench-compile clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m boost_compile.train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+explain: $(STAMP)
+	$(VENV)/bin/boost-explain --preset tiny --out explain_out
+
+bench-compile: $(STAMP)
+	$(PY) benchmarks/compile_overhead.py
+
+clean:
+	rm -rf $(VENV) explain_out .pytest_cache
