@@ -1,0 +1,361 @@
+"""A small Llama-style decoder whose projections can be dense, low-rank or CoLA.
+
+Used by tests, benchmarks and the training loop. Every q/k/v/o/gate/up/down
+projection is an ``nn.Linear`` (``projection="dense"``), a plain bottleneck
+``LowRankLinear`` (``"lowrank"``) or a CoLA bottleneck with a SiLU inside
+(``"cola"``); the embedding and the output head always stay dense. The model is
+written to compile with ``torch.compile(model, fullgraph=True)``: RoPE uses the
+real-valued rotate-half form (no complex tensors) and attention goes through
+``F.scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from boost_compile.models.lowrank import LowRankLinear, break_even_rank
+
+PROJECTIONS = ("dense", "lowrank", "cola")
+INIT_STD = 0.02
+
+# Shapes of the CoLA paper models: size -> (dim, n_layers, n_heads, ffn_dim, rank, max_seq_len).
+PAPER_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
+    "60m": (512, 8, 8, 1376, 128, 1024),
+    "130m": (768, 12, 12, 2048, 256, 1024),
+    "350m": (1024, 24, 16, 2736, 256, 1024),
+    "1b": (2048, 24, 32, 5461, 512, 4096),
+    "7b": (4096, 32, 32, 11008, 1024, 4096),
+}
+# Preset family prefix -> projection kind.
+FAMILIES = {"cola": "cola", "lowrank": "lowrank", "llama": "dense"}
+TINY = {
+    "vocab_size": 256,
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "ffn_dim": 176,
+    "max_seq_len": 64,
+    "rank_attn": 16,
+    "rank_mlp": 16,
+}
+
+
+def _preset_table() -> dict[str, dict]:
+    """Build the preset name -> config kwargs table (a fresh dict on every call)."""
+    table: dict[str, dict] = {
+        "tiny": {**TINY, "projection": "cola"},
+        "tiny-dense": {**TINY, "projection": "dense", "rank_attn": None, "rank_mlp": None},
+        "tiny-lowrank": {**TINY, "projection": "lowrank"},
+    }
+    for size, (dim, layers, heads, ffn, rank, seq) in PAPER_SHAPES.items():
+        for family, projection in FAMILIES.items():
+            dense = projection == "dense"
+            table[f"{family}-{size}"] = {
+                "vocab_size": 32000,
+                "dim": dim,
+                "n_layers": layers,
+                "n_heads": heads,
+                "n_kv_heads": heads,
+                "ffn_dim": ffn,
+                "max_seq_len": seq,
+                "projection": projection,
+                "rank_attn": None if dense else rank,
+                "rank_mlp": None if dense else rank,
+            }
+    return table
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and projection kind of a :class:`Llama` model.
+
+    ``rank_attn`` / ``rank_mlp`` are the bottleneck ranks of the attention and
+    MLP projections; they default to ``dim // 4`` for the low-rank kinds and are
+    ignored when ``projection == "dense"``.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    projection: str = "dense"
+    rank_attn: int | None = None
+    rank_mlp: int | None = None
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "max_seq_len",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(
+                f"unknown projection {self.projection!r}; valid choices: {', '.join(PROJECTIONS)}"
+            )
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = dim / n_heads ({self.head_dim}) must be even for RoPE")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.projection == "dense":
+            return
+        if self.rank_attn is None:
+            self.rank_attn = max(1, self.dim // 4)
+        if self.rank_mlp is None:
+            self.rank_mlp = max(1, self.dim // 4)
+        for group, rank in (("rank_attn", self.rank_attn), ("rank_mlp", self.rank_mlp)):
+            if not isinstance(rank, int) or rank < 1:
+                raise ValueError(f"{group} must be a positive integer, got {rank!r}")
+        for name, (d_in, d_out, rank) in self.projection_shapes().items():
+            limit = break_even_rank(d_in, d_out)
+            if rank >= limit:
+                group = "rank_mlp" if name in ("gate_proj", "up_proj", "down_proj") else "rank_attn"
+                raise ValueError(
+                    f"{group}={rank} is not below the break-even rank {limit:.1f} of {name} "
+                    f"({d_in} -> {d_out}); a factorisation that large saves nothing"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int, int | None]]:
+        """Per-block projection name -> (d_in, d_out, rank); rank is None when dense."""
+        dense = self.projection == "dense"
+        ra = None if dense else self.rank_attn
+        rm = None if dense else self.rank_mlp
+        return {
+            "q_proj": (self.dim, self.dim, ra),
+            "k_proj": (self.dim, self.kv_dim, ra),
+            "v_proj": (self.dim, self.kv_dim, ra),
+            "o_proj": (self.dim, self.dim, ra),
+            "gate_proj": (self.dim, self.ffn_dim, rm),
+            "up_proj": (self.dim, self.ffn_dim, rm),
+            "down_proj": (self.ffn_dim, self.dim, rm),
+        }
+
+    def num_params(self) -> int:
+        """Parameter count computed from the shapes alone (matches ``Llama.num_params``)."""
+        block = 2 * self.dim  # attention_norm and ffn_norm weights
+        for d_in, d_out, rank in self.projection_shapes().values():
+            block += d_in * d_out if rank is None else rank * (d_in + d_out)
+            block += d_out if self.bias else 0
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return embed + self.n_layers * block + self.dim + head
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        """Names accepted by :meth:`preset`."""
+        return list(_preset_table())
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
+        """Config of a named preset (``tiny``, ``cola-60m``, ``llama-1b``, ...) with overrides."""
+        table = _preset_table()
+        if name not in table:
+            raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(table)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ValueError(
+                f"unknown LlamaConfig field(s) {', '.join(unknown)}; valid: {', '.join(sorted(fields))}"
+            )
+        kwargs = {**table[name], **overrides}
+        if kwargs["projection"] == "dense" and "projection" in overrides:
+            # switching a low-rank preset to dense: drop the preset's ranks unless given
+            for key in ("rank_attn", "rank_mlp"):
+                if key not in overrides:
+                    kwargs[key] = None
+        return cls(**kwargs)
+
+
+def make_projection(d_in: int, d_out: int, rank: int | None, kind: str, bias: bool) -> nn.Module:
+    """A dense, plain low-rank or CoLA projection ``d_in -> d_out``."""
+    if kind == "dense":
+        return nn.Linear(d_in, d_out, bias=bias)
+    if rank is None:
+        raise ValueError(f"projection {kind!r} needs a rank")
+    activation = "silu" if kind == "cola" else None
+    return LowRankLinear(d_in, d_out, rank, bias=bias, activation=activation)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [max_seq_len, head_dim] for the rotate-half RoPE form."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """Map the halves (x1, x2) of the last dimension to (-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [b, heads, s, head_dim] by position; cos/sin are [s, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Repeat each kv head n_rep times: [b, kv, s, hd] -> [b, kv * n_rep, s, hd]."""
+    if n_rep == 1:
+        return x
+    b, kv, s, hd = x.shape
+    return x[:, :, None, :, :].expand(b, kv, n_rep, s, hd).reshape(b, kv * n_rep, s, hd)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        kind, bias = config.projection, config.bias
+        shapes = config.projection_shapes()
+        self.q_proj = make_projection(*shapes["q_proj"], kind, bias)
+        self.k_proj = make_projection(*shapes["k_proj"], kind, bias)
+        self.v_proj = make_projection(*shapes["v_proj"], kind, bias)
+        self.o_proj = make_projection(*shapes["o_proj"], kind, bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        k = repeat_kv(k, n_rep)
+        v = repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        kind, bias = config.projection, config.bias
+        shapes = config.projection_shapes()
+        self.gate_proj = make_projection(*shapes["gate_proj"], kind, bias)
+        self.up_proj = make_projection(*shapes["up_proj"], kind, bias)
+        self.down_proj = make_projection(*shapes["down_proj"], kind, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: attention then MLP, each with a residual."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.mlp(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """Llama-style decoder; ``forward(tokens)`` gives logits, with ``targets`` the mean loss."""
+
+    def __init__(self, config: LlamaConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        with torch.device(device) if device is not None else nullcontext():
+            self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+            self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+            self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+            if config.tie_embeddings:
+                self.output.weight = self.tok_embeddings.weight
+            cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Embeddings and dense linears N(0, 0.02), bottlenecks CoLA init, norms ones.
+
+        Also recomputes the RoPE tables, so a model built on ``meta`` and moved
+        with ``to_empty`` becomes usable after calling this.
+        """
+        factors: set[int] = set()
+        for module in self.modules():
+            if isinstance(module, LowRankLinear):
+                module.reset_parameters("cola")
+                factors.update((id(module.down), id(module.up)))
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and id(module) not in factors:
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        cfg = self.config
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.rope_cos.copy_(cos.to(self.rope_cos.device))
+        self.rope_sin.copy_(sin.to(self.rope_sin.device))
+
+    def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        cos = self.rope_cos[:seq].to(h.dtype)
+        sin = self.rope_sin[:seq].to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied head is counted once)."""
+        return sum(p.numel() for p in self.parameters())
