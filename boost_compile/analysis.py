@@ -1,0 +1,635 @@
+"""One view of a Dynamo-captured (Torch IR) graph that every pass reads.
+
+Dynamo hands the backend a ``GraphModule`` whose parameters are placeholders; the
+real tensors come in ``example_inputs``. ``GraphView`` finds, once:
+
+- linears: ``F.linear(x, W[, b])``, ``x @ W`` / ``torch.matmul(x, W)``,
+  ``torch.mm(x2d, W)`` and ``torch.addmm(b, x2d, W)`` where W is a parameter
+  (also ``x @ W.t()``);
+- bottleneck chains: ``linear(x, A) -> [elementwise act] -> linear(., B)`` with the
+  inner width r at most ``bottleneck_max_ratio`` of both outer widths;
+- sibling groups: two or more linears that read the same input and have no path
+  between them (q/k/v, gate/up);
+- RMSNorm sites: ``torch.rms_norm`` / ``nn.RMSNorm``, the decomposed
+  ``x * rsqrt(mean(x^2) + eps) * w`` chain, Hugging Face's fp32-upcast form and the
+  ``(1 + w)`` weight form;
+- the residual stream: the chain of adds ``h = h + branch(h)``.
+
+A networkx DiGraph mirrors the FX data-flow edges for reachability questions.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from boost_compile.config import AnalysisConfig
+
+_LINEAR_TARGETS = {torch._C._nn.linear, torch.nn.functional.linear}
+_MATMUL_TARGETS = {operator.matmul, torch.matmul, torch.Tensor.matmul}
+_MM_TARGETS = {torch.mm, torch.Tensor.mm}
+_ADDMM_TARGETS = {torch.addmm}
+_ADD_TARGETS = {operator.add, operator.iadd, torch.add, torch.Tensor.add}
+_MUL_TARGETS = {operator.mul, operator.imul, torch.mul, torch.Tensor.mul}
+_RMS_NORM_TARGETS = {torch.rms_norm, torch.nn.functional.rms_norm}
+_RSQRT_TARGETS = {torch.rsqrt, torch.Tensor.rsqrt}
+
+#: Elementwise unary activations allowed between the two factors of a bottleneck.
+ACTIVATION_TARGETS: dict[Any, str] = {
+    torch.nn.functional.silu: "silu",
+    torch.nn.functional.gelu: "gelu",
+    torch.nn.functional.relu: "relu",
+    torch.relu: "relu",
+    torch.sigmoid: "sigmoid",
+    torch.tanh: "tanh",
+}
+_ACTIVATION_METHODS = {"silu": "silu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh"}
+
+
+# ----------------------------------------------------------------------------- sites
+
+
+@dataclass
+class LinearSite:
+    """One GEMM against a parameter: ``out = input @ W(^T) [+ bias]``.
+
+    ``layout`` is "out_in" for ``F.linear`` (W is [d_out, d_in]) and "in_out" for
+    ``x @ W`` (W is [d_in, d_out]).
+    """
+
+    node: fx.Node
+    input: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    d_in: int
+    d_out: int
+    layout: str
+    form: str
+    param_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The owning module's name (``layers.0.attention.q_proj``) or the node's."""
+        if self.param_name is None:
+            return self.node.name
+        return self.param_name.removesuffix(".weight")
+
+
+@dataclass
+class BottleneckChain:
+    """``up(act(down(x)))`` with a narrow inner width ``rank``."""
+
+    down: LinearSite
+    up: LinearSite
+    activation: str | None
+    activation_node: fx.Node | None
+    rank: int
+
+    @property
+    def name(self) -> str:
+        return _common_prefix(self.down.name, self.up.name) or self.down.name
+
+
+@dataclass
+class SiblingGroup:
+    """Linears that read one input and are independent of one another."""
+
+    input: fx.Node
+    members: list[LinearSite]
+
+    @property
+    def name(self) -> str:
+        return "+".join(m.name for m in self.members)
+
+
+@dataclass
+class RMSNormSite:
+    """An RMSNorm: ``out = x * rsqrt(mean(x^2, -1) + eps) * (offset + w)``.
+
+    ``form``: "fused" (torch.rms_norm), "decomposed", "hf_upcast" (computed in
+    fp32 and cast back before the weight), "one_plus_w" (Gemma's (1 + w) weight).
+    ``nodes`` are every node the site replaces (for a rewrite to erase).
+    """
+
+    form: str
+    input: fx.Node
+    output: fx.Node
+    weight: fx.Node | None
+    eps: float | None
+    weight_offset: float = 0.0
+    upcast: bool = False
+    nodes: list[fx.Node] = field(default_factory=list)
+    param_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.param_name is None:
+            return self.output.name
+        return self.param_name.removesuffix(".weight")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _meta_tensor(node: Any) -> torch.Tensor | None:
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    t = _meta_tensor(node)
+    if t is None:
+        return None
+    try:
+        return tuple(int(s) for s in t.shape)
+    except TypeError:  # symbolic sizes
+        return None
+
+
+def _is(node: fx.Node, targets: set, method: str | None = None) -> bool:
+    if node.op == "call_function" and node.target in targets:
+        return True
+    return method is not None and node.op == "call_method" and node.target == method
+
+
+def _common_prefix(a: str, b: str) -> str:
+    parts_a, parts_b = a.split("."), b.split(".")
+    common = []
+    for x, y in zip(parts_a, parts_b, strict=False):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]")
+
+
+def source_to_fqn(source_name: str) -> str:
+    """``L['self']._modules['layers']._modules['0']._parameters['weight']`` -> ``layers.0.weight``."""
+    starts = [i for key in ("._modules[", "._parameters[", "._buffers[") if (i := source_name.find(key)) >= 0]
+    if starts:  # everything before the first module attribute is the root (L['self'], L['args'][0], ...)
+        rest = source_name[min(starts):]
+    else:
+        head = re.match(r"L\['[^']+'\]", source_name)
+        rest = source_name[head.end():] if head else source_name
+    parts = [m.group(1) or m.group(2) or m.group(3) for m in _SOURCE_PART.finditer(rest)]
+    return ".".join(p for p in parts if p is not None)
+
+
+# ----------------------------------------------------------------------------- the view
+
+
+class GraphView:
+    """Structures of one captured graph; computed lazily, once each."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any] | None = None,
+        config: AnalysisConfig | None = None,
+    ) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.config = config or AnalysisConfig()
+        self.example_inputs = list(example_inputs) if example_inputs is not None else None
+        # Dynamo drops the placeholders' "grapharg" metadata once the backend
+        # returns, so parameter names are read now, not lazily.
+        self.param_names = self._read_param_names()
+
+    # -- placeholders and parameters ------------------------------------------------
+
+    @cached_property
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def _read_param_names(self) -> dict[fx.Node, str]:
+        """Placeholder (or get_attr) -> fully-qualified parameter name."""
+        names: dict[fx.Node, str] = {}
+        for i, node in enumerate(self.placeholders):
+            if not self._is_param_placeholder(node, i):
+                continue
+            grapharg = node.meta.get("grapharg")
+            source = getattr(grapharg, "source", None)
+            names[node] = source_to_fqn(source.name) if source is not None else node.name
+        for node in self.graph.nodes:
+            if node.op == "get_attr":
+                names[node] = str(node.target)
+        return names
+
+    def _is_param_placeholder(self, node: fx.Node, index: int) -> bool:
+        if self.example_inputs is not None and index < len(self.example_inputs):
+            value = self.example_inputs[index]
+            if isinstance(value, torch.nn.Parameter):
+                return True
+        grapharg = node.meta.get("grapharg")
+        source = getattr(grapharg, "source", None)
+        return source is not None and "_parameters[" in source.name
+
+    def is_param(self, node: Any) -> bool:
+        return isinstance(node, fx.Node) and node in self.param_names
+
+    def example_of(self, node: fx.Node) -> Any:
+        """The real tensor behind a placeholder, when example inputs were given."""
+        if self.example_inputs is None or node.op != "placeholder":
+            return None
+        return self.example_inputs[self.placeholders.index(node)]
+
+    # -- the networkx view ----------------------------------------------------------
+
+    @cached_property
+    def nx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for node in self.graph.nodes:
+            g.add_node(node)
+            for user in node.users:
+                g.add_edge(node, user)
+        return g
+
+    def has_path(self, a: fx.Node, b: fx.Node) -> bool:
+        return a is not b and nx.has_path(self.nx, a, b)
+
+    def ancestors(self, node: fx.Node) -> set[fx.Node]:
+        return nx.ancestors(self.nx, node)
+
+    # -- linears --------------------------------------------------------------------
+
+    @cached_property
+    def linears(self) -> list[LinearSite]:
+        sites = [s for n in self.graph.nodes if (s := self._match_linear(n)) is not None]
+        return sites
+
+    @cached_property
+    def linear_by_node(self) -> dict[fx.Node, LinearSite]:
+        return {s.node: s for s in self.linears}
+
+    def _weight_of(self, node: Any) -> tuple[fx.Node, bool] | None:
+        """A parameter node used directly, or through ``.t()``/``.T`` (second item: transposed)."""
+        if not isinstance(node, fx.Node):
+            return None
+        if self.is_param(node):
+            return node, False
+        transposed = (
+            (node.op == "call_method" and node.target == "t")
+            or (node.op == "call_function" and node.target in (torch.t, torch.Tensor.t))
+            or (node.op == "call_function" and node.target is getattr and node.args[1] == "T")
+        )
+        if transposed and self.is_param(node.args[0]):
+            return node.args[0], True
+        return None
+
+    def _match_linear(self, node: fx.Node) -> LinearSite | None:
+        if node.op not in ("call_function", "call_method"):
+            return None
+        if _is(node, _LINEAR_TARGETS):
+            x, w = node.args[0], node.args[1]
+            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            if not self.is_param(w):
+                return None
+            shape = _shape(w)
+            if shape is None or len(shape) != 2:
+                return None
+            return self._site(node, x, w, b, shape[1], shape[0], "out_in", "linear")
+        if _is(node, _MATMUL_TARGETS, "matmul") or _is(node, _MM_TARGETS, "mm"):
+            x, w = node.args[0], node.args[1]
+            found = self._weight_of(w)
+            if found is None:
+                return None
+            param, transposed = found
+            shape = _shape(param)
+            if shape is None or len(shape) != 2:
+                return None
+            form = "mm" if _is(node, _MM_TARGETS, "mm") else "matmul"
+            if transposed:
+                return self._site(node, x, param, None, shape[1], shape[0], "out_in", form)
+            return self._site(node, x, param, None, shape[0], shape[1], "in_out", form)
+        if _is(node, _ADDMM_TARGETS, "addmm"):
+            b, x, w = node.args[0], node.args[1], node.args[2]
+            found = self._weight_of(w)
+            if found is None or not self.is_param(b):
+                return None
+            param, transposed = found
+            shape = _shape(param)
+            if shape is None or len(shape) != 2:
+                return None
+            d_in, d_out = (shape[1], shape[0]) if transposed else shape
+            return self._site(node, x, param, b, d_in, d_out, "out_in" if transposed else "in_out", "addmm")
+        return None
+
+    def _site(self, node, x, w, b, d_in, d_out, layout, form) -> LinearSite | None:
+        if not isinstance(x, fx.Node):
+            return None
+        return LinearSite(
+            node=node, input=x, weight=w, bias=b if isinstance(b, fx.Node) else None,
+            d_in=int(d_in), d_out=int(d_out), layout=layout, form=form,
+            param_name=self.param_names.get(w),
+        )
+
+    # -- bottlenecks ----------------------------------------------------------------
+
+    @cached_property
+    def bottlenecks(self) -> list[BottleneckChain]:
+        chains = []
+        max_ratio = self.config.bottleneck_max_ratio
+        for down in self.linears:
+            users = list(down.node.users)
+            if len(users) != 1:
+                continue
+            nxt, act, act_node = users[0], None, None
+            act_name = self._activation_name(nxt)
+            if act_name is not None:
+                act, act_node = act_name, nxt
+                if len(nxt.users) != 1:
+                    continue
+                nxt = next(iter(nxt.users))
+            up = self.linear_by_node.get(nxt)
+            if up is None or up.input is not (act_node or down.node):
+                continue
+            r = down.d_out
+            if up.d_in != r:
+                continue
+            if r <= max_ratio * down.d_in and r <= max_ratio * up.d_out:
+                chains.append(BottleneckChain(down, up, act, act_node, r))
+        return chains
+
+    @staticmethod
+    def _activation_name(node: fx.Node) -> str | None:
+        if node.op == "call_function" and node.target in ACTIVATION_TARGETS:
+            return ACTIVATION_TARGETS[node.target]
+        if node.op == "call_method" and node.target in _ACTIVATION_METHODS:
+            return _ACTIVATION_METHODS[node.target]
+        return None
+
+    # -- sibling groups -------------------------------------------------------------
+
+    @cached_property
+    def sibling_groups(self) -> list[SiblingGroup]:
+        by_input: dict[fx.Node, list[LinearSite]] = {}
+        for site in self.linears:
+            by_input.setdefault(site.input, []).append(site)
+        groups = []
+        for inp, members in by_input.items():
+            if len(members) < 2:
+                continue
+            # Greedy: keep members in graph order with no path to an earlier member.
+            independent: list[LinearSite] = []
+            for m in members:
+                if all(not self.has_path(o.node, m.node) and not self.has_path(m.node, o.node) for o in independent):
+                    independent.append(m)
+            if len(independent) >= 2:
+                groups.append(SiblingGroup(inp, independent))
+        return groups
+
+    # -- RMSNorm --------------------------------------------------------------------
+
+    @cached_property
+    def rmsnorms(self) -> list[RMSNormSite]:
+        sites = []
+        for node in self.graph.nodes:
+            if _is(node, _RMS_NORM_TARGETS):
+                sites.append(self._fused_rmsnorm(node))
+            elif _is(node, _RSQRT_TARGETS, "rsqrt"):
+                site = self._decomposed_rmsnorm(node)
+                if site is not None:
+                    sites.append(site)
+        return sites
+
+    def _fused_rmsnorm(self, node: fx.Node) -> RMSNormSite:
+        args = list(node.args) + [None] * 4
+        weight = args[2] if args[2] is not None else node.kwargs.get("weight")
+        eps = args[3] if args[3] is not None else node.kwargs.get("eps")
+        return RMSNormSite(
+            form="fused", input=node.args[0], output=node, weight=weight, eps=eps,
+            nodes=[node], param_name=self.param_names.get(weight) if isinstance(weight, fx.Node) else None,
+        )
+
+    def _decomposed_rmsnorm(self, rsqrt: fx.Node) -> RMSNormSite | None:
+        """Match upward from rsqrt: rsqrt(mean(x^2, -1, keepdim) + eps), then x * it."""
+        plus = rsqrt.args[0]
+        if not isinstance(plus, fx.Node) or not _is(plus, _ADD_TARGETS, "add"):
+            return None
+        mean, eps = _split_const(plus)
+        if mean is None or not _is(mean, {torch.mean}, "mean") or not _is_last_dim_keepdim(mean):
+            return None
+        sq = mean.args[0]
+        x = _square_base(sq)
+        if x is None:
+            return None
+        nodes = [sq, mean, plus, rsqrt]
+        # x * rsqrt (either order), the only consumer of rsqrt that multiplies x.
+        normed = next(
+            (u for u in rsqrt.users if _is(u, _MUL_TARGETS, "mul") and x in u.args), None
+        )
+        if normed is None:
+            return None
+        nodes.append(normed)
+        upcast = False
+        inp = x
+        if _is_cast(x, to_fp32=True):
+            upcast, inp = True, x.args[0]
+            nodes.insert(0, x)
+        out = normed
+        # optional cast back to the input dtype, then the weight multiply
+        if len(out.users) == 1 and _is_cast(next(iter(out.users))):
+            out = next(iter(out.users))
+            nodes.append(out)
+        weight, offset = None, 0.0
+        if len(out.users) == 1:
+            mul = next(iter(out.users))
+            if _is(mul, _MUL_TARGETS, "mul"):
+                other = mul.args[1] if mul.args[0] is out else mul.args[0]
+                w, off, w_nodes = self._weight_factor(other)
+                if w is not None:
+                    weight, offset = w, off
+                    nodes.extend(w_nodes + [mul])
+                    out = mul
+                    # Gemma casts back after the weight multiply.
+                    if len(out.users) == 1 and _is_cast(next(iter(out.users))):
+                        out = next(iter(out.users))
+                        nodes.append(out)
+        if offset:
+            form = "one_plus_w"
+        elif upcast:
+            form = "hf_upcast"
+        else:
+            form = "decomposed"
+        return RMSNormSite(
+            form=form, input=inp, output=out, weight=weight, eps=eps, weight_offset=offset,
+            upcast=upcast, nodes=nodes, param_name=self.param_names.get(weight) if weight is not None else None,
+        )
+
+    def _weight_factor(self, node: Any) -> tuple[fx.Node | None, float, list[fx.Node]]:
+        """``w``, ``w.float()`` or ``1 + w`` (any order); returns (param, offset, nodes)."""
+        if not isinstance(node, fx.Node):
+            return None, 0.0, []
+        if self.is_param(node):
+            return node, 0.0, []
+        if _is_cast(node) and self.is_param(node.args[0]):
+            return node.args[0], 0.0, [node]
+        if _is(node, _ADD_TARGETS, "add"):
+            base, const = _split_const(node)
+            if base is not None and const is not None:
+                inner, off, inner_nodes = self._weight_factor(base)
+                if inner is not None and off == 0.0:
+                    return inner, float(const), inner_nodes + [node]
+        return None, 0.0, []
+
+    # -- residual stream ------------------------------------------------------------
+
+    @cached_property
+    def residual_stream(self) -> list[fx.Node]:
+        """The skip path: ``[source, add_1, add_2, ...]`` of a pre-norm network.
+
+        An add is on the stream when one operand is an ancestor of the other (the
+        skip operand feeds the branch). The longest such chain is the stream.
+        """
+        skip_of: dict[fx.Node, fx.Node] = {}
+        for node in self.graph.nodes:
+            if not _is(node, _ADD_TARGETS, "add") or len(node.args) < 2:
+                continue
+            a, b = node.args[0], node.args[1]
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                continue
+            if _shape(a) is None or _shape(a) != _shape(b):
+                continue
+            if self.has_path(a, b):
+                skip_of[node] = a
+            elif self.has_path(b, a):
+                skip_of[node] = b
+        best: list[fx.Node] = []
+        memo: dict[fx.Node, list[fx.Node]] = {}
+        for node in self.graph.nodes:  # topological order
+            if node not in skip_of:
+                continue
+            skip = skip_of[node]
+            chain = memo[skip] + [node] if skip in memo else [skip, node]
+            memo[node] = chain
+            if len(chain) > len(best):
+                best = chain
+        return best if len(best) >= 2 else []
+
+    @cached_property
+    def _block_region(self) -> set[fx.Node]:
+        """Nodes downstream of the stream's source and upstream of its last add."""
+        stream = self.residual_stream
+        if not stream:
+            return set()
+        return (nx.descendants(self.nx, stream[0]) | {stream[0]}) & nx.ancestors(self.nx, stream[-1])
+
+    def in_block(self, site: LinearSite) -> bool:
+        """Whether a linear lies on a branch that is added back into the residual stream."""
+        return site.node in self._block_region
+
+    @cached_property
+    def block_linears(self) -> list[LinearSite]:
+        """Linears inside the repeated blocks (not the embedding, not the output head)."""
+        return [s for s in self.linears if self.in_block(s)]
+
+    # -- summaries ------------------------------------------------------------------
+
+    def op_counts(self) -> dict[str, int]:
+        return count_ops(self.graph)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "linears": len(self.linears),
+            "bottlenecks": len(self.bottlenecks),
+            "sibling_groups": [len(g.members) for g in self.sibling_groups],
+            "rmsnorms": {form: sum(1 for s in self.rmsnorms if s.form == form) for form in sorted({s.form for s in self.rmsnorms})},
+            "residual_adds": max(0, len(self.residual_stream) - 1),
+        }
+
+
+def capture_views(
+    model: Any, *example_inputs: Any, config: AnalysisConfig | None = None, grad: bool = False
+) -> list[GraphView]:
+    """Capture ``model(*example_inputs)`` with Dynamo and analyse each graph (no compile)."""
+    views: list[GraphView] = []
+
+    def backend(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        views.append(GraphView(gm, inputs, config))
+        return gm.forward
+
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, backend=backend, dynamic=False)(*example_inputs)
+    return views
+
+
+def count_ops(graph: fx.Graph) -> dict[str, int]:
+    """``{op name: count}`` over the call nodes of a graph."""
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            key = node_target_name(node)
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def node_target_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket).replace("aten.", "aten.")
+    name = getattr(target, "__name__", str(target))
+    module = getattr(target, "__module__", "") or ""
+    if module.startswith("_operator"):
+        return f"operator.{name}"
+    return name
+
+
+# ----------------------------------------------------------------------------- small matchers
+
+
+def _split_const(node: fx.Node) -> tuple[fx.Node | None, float | None]:
+    """For ``a + c`` / ``c + a`` with c a Python number: (a, c)."""
+    a, b = (list(node.args) + [None, None])[:2]
+    if isinstance(a, fx.Node) and isinstance(b, (int, float)):
+        return a, float(b)
+    if isinstance(b, fx.Node) and isinstance(a, (int, float)):
+        return b, float(a)
+    return None, None
+
+
+def _is_last_dim_keepdim(mean: fx.Node) -> bool:
+    dim = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    x = _shape(mean.args[0])
+    last = -1 if x is None else len(x) - 1
+    return bool(keepdim) and dim in (-1, last)
+
+
+def _square_base(node: Any) -> fx.Node | None:
+    """x for ``x ** 2``, ``x.pow(2)``, ``x * x``, ``x.square()``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if (_is(node, {operator.pow, torch.pow, torch.Tensor.pow}, "pow")) and node.args[1] == 2:
+        return node.args[0] if isinstance(node.args[0], fx.Node) else None
+    if _is(node, _MUL_TARGETS, "mul") and node.args[0] is node.args[1]:
+        return node.args[0]
+    if _is(node, {torch.square}, "square"):
+        return node.args[0]
+    return None
+
+
+def _is_cast(node: Any, to_fp32: bool = False) -> bool:
+    """``x.to(dtype)``, ``x.float()``, ``x.type_as(y)``, ``x.to(y.dtype)``."""
+    if not isinstance(node, fx.Node) or node.op != "call_method":
+        return False
+    if node.target == "float":
+        return True
+    if to_fp32:
+        return node.target == "to" and torch.float32 in list(node.args[1:]) + list(node.kwargs.values())
+    return node.target in ("to", "type_as", "type", "float", "half", "bfloat16")

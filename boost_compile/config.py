@@ -1,0 +1,209 @@
+"""One dataclass tree that is the schema for ``torch.compile(..., options=)``.
+
+``BoostConfig.from_options(dict)`` turns the user's (possibly nested) dict into the
+tree and rejects unknown keys and bad values with a message that names the valid
+choices, so a typo never silently turns a pass off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args, get_origin
+
+INNER_COMPILERS = ("inductor", "aot_eager", "eager")
+FACTORIZE_INITS = ("svd", "random")
+ACTIVATIONS = ("silu", "gelu", "relu")
+
+
+class ConfigError(ValueError):
+    """A compile option that does not exist or has a value the backend cannot use."""
+
+
+@dataclass
+class AnalysisConfig:
+    """How the graph analysis recognises structures.
+
+    ``bottleneck_max_ratio``: a ``linear -> [act] -> linear`` chain is a bottleneck
+    only when its inner width r is at most this fraction of both outer widths.
+    """
+
+    bottleneck_max_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.bottleneck_max_ratio <= 1.0:
+            raise ConfigError(
+                f"analysis.bottleneck_max_ratio must be in (0, 1], got {self.bottleneck_max_ratio}"
+            )
+
+
+@dataclass
+class FactorizeConfig:
+    """Dense linear -> bottleneck ``act(x A) B``.
+
+    Give exactly one of:
+      - ``rank``: the inner width r, the same for every layer;
+      - ``rank_ratio``: r = rank_ratio * min(d_in, d_out) (CoLA's r = d/4 is 0.25);
+      - ``param_ratio``: r chosen so the factors hold this fraction of the dense
+        layer's parameters, r = param_ratio * d_in * d_out / (d_in + d_out).
+    A layer where r does not save parameters (r >= d_in*d_out/(d_in+d_out)) is
+    skipped with a warning.
+
+    ``init``: "svd" (truncated SVD, sqrt of the singular values into both factors)
+    or "random" (CoLA initialisation). ``activation``: None or one of silu/gelu/relu,
+    placed between the factors. ``include_head``/``include_embedding``-like choices
+    are made with a ``filter_fn`` in ``factorize_``.
+    """
+
+    rank: int | None = None
+    rank_ratio: float | None = None
+    param_ratio: float | None = None
+    init: str = "svd"
+    activation: str | None = None
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("rank", "rank_ratio", "param_ratio") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(
+                "factorize needs exactly one of rank, rank_ratio, param_ratio; "
+                f"got {given or 'none'}"
+            )
+        if self.rank is not None and self.rank < 1:
+            raise ConfigError(f"factorize.rank must be >= 1, got {self.rank}")
+        for key in ("rank_ratio", "param_ratio"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 < value < 1.0:
+                raise ConfigError(f"factorize.{key} must be in (0, 1), got {value}")
+        if self.init not in FACTORIZE_INITS:
+            raise ConfigError(
+                f"factorize.init={self.init!r} is not valid; choose one of {FACTORIZE_INITS}"
+            )
+        if self.activation is not None and self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"factorize.activation={self.activation!r} is not valid; "
+                f"choose None or one of {ACTIVATIONS}"
+            )
+
+    def rank_for(self, d_in: int, d_out: int) -> int:
+        """The inner width this config gives a ``d_in -> d_out`` layer."""
+        if self.rank is not None:
+            return self.rank
+        if self.rank_ratio is not None:
+            return max(1, round(self.rank_ratio * min(d_in, d_out)))
+        assert self.param_ratio is not None
+        return max(1, round(self.param_ratio * d_in * d_out / (d_in + d_out)))
+
+
+@dataclass
+class OpCensusConfig:
+    """Count the ATen ops of the forward and backward graphs (for ``explain``)."""
+
+    enabled: bool = True
+
+
+@dataclass
+class BoostConfig:
+    """Everything ``backend="boost"`` can be told.
+
+    ``inner``: the compiler the rewritten graph is handed to.
+    ``strict``: raise when an enabled pass found nothing to rewrite or skipped a site.
+    ``factorize``: opt-in compile-time factorization for frozen models (None = off).
+    """
+
+    inner: str = "inductor"
+    strict: bool = False
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    factorize: FactorizeConfig | None = None
+    op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
+
+    def __post_init__(self) -> None:
+        if self.inner not in INNER_COMPILERS:
+            raise ConfigError(
+                f"inner={self.inner!r} is not a valid inner compiler; choose one of {INNER_COMPILERS}"
+            )
+
+    @classmethod
+    def from_options(cls, options: BoostConfig | dict[str, Any] | None) -> BoostConfig:
+        """Build the tree from ``options=`` (a dict, a BoostConfig, or None)."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise ConfigError(f"options must be a dict or BoostConfig, got {type(options).__name__}")
+        return _build(cls, options, prefix="")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> BoostConfig:
+        """A copy with top-level fields changed (nested dicts are validated)."""
+        merged = {**_shallow_dict(self), **changes}
+        return _build(type(self), merged, prefix="")
+
+
+def _shallow_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _dataclass_in(annotation: Any) -> type | None:
+    """The dataclass type inside ``X`` or ``X | None``, if any."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    if get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in get_args(annotation):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        where = prefix.rstrip(".") or "options"
+        raise ConfigError(
+            f"unknown key(s) {unknown} in {where}; valid keys are {sorted(fields)}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in values.items():
+        sub = _dataclass_in(hints[name])
+        if sub is not None and isinstance(value, dict):
+            value = _build(sub, value, prefix=f"{prefix}{name}.")
+        elif sub is not None and isinstance(value, bool) and hints[name] is not sub:
+            # ``factorize=False`` switches an optional pass off.
+            if value:
+                raise ConfigError(f"{prefix}{name}=True needs a dict of settings")
+            value = None
+        _check_scalar(f"{prefix}{name}", hints[name], value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as exc:  # pragma: no cover - defensive
+        raise ConfigError(f"{prefix or 'options'}: {exc}") from exc
+
+
+def _check_scalar(name: str, annotation: Any, value: Any) -> None:
+    """Reject values whose Python type cannot match the annotation."""
+    allowed = get_args(annotation) if get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    if value is None:
+        if type(None) in allowed:
+            return
+        raise ConfigError(f"{name} may not be None")
+    for typ in allowed:
+        if get_origin(typ) is Literal and value in get_args(typ):
+            return
+        if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if typ is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if isinstance(typ, type) and typ not in (int, float) and isinstance(value, typ):
+            return
+    names = ", ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise ConfigError(f"{name}={value!r} has the wrong type; expected {names}")
