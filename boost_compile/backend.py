@@ -1,0 +1,137 @@
+"""The ``"boost"`` torch.compile backend.
+
+``torch.compile(model, backend="boost", options={...})`` arrives here through the
+``torch_dynamo_backends`` entry point. For each captured graph:
+
+1. ``options`` becomes a ``BoostConfig`` (unknown keys fail with the valid ones);
+2. the Torch-IR passes run in order on the Dynamo graph;
+3. the graph goes to the inner compiler ("inductor", "aot_eager" or "eager"),
+   with the ATen passes attached (Inductor: ``post_grad_custom_post_pass``;
+   aot_eager: run on the forward and backward graphs before they execute).
+
+``Recorder`` (used by ``explain``) keeps the code and reports of every stage.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from boost_compile.analysis import GraphView, count_ops
+from boost_compile.config import BoostConfig
+from boost_compile.pass_manager import (
+    AtenPipeline,
+    PassContext,
+    PassReport,
+    StageRecord,
+    run_graph_passes,
+)
+from boost_compile.passes import aten_passes, graph_passes
+
+
+@dataclass
+class GraphRecord:
+    """Everything ``explain`` shows about one captured graph."""
+
+    index: int
+    stages: list[StageRecord] = field(default_factory=list)
+    reports: list[PassReport] = field(default_factory=list)
+    aten_reports: list[PassReport] = field(default_factory=list)
+    view: GraphView | None = None
+
+
+@dataclass
+class Recorder:
+    """Collects a ``GraphRecord`` per graph the backend compiles."""
+
+    graphs: list[GraphRecord] = field(default_factory=list)
+    keep_view: bool = True
+
+    def new_graph(self) -> GraphRecord:
+        record = GraphRecord(index=len(self.graphs))
+        self.graphs.append(record)
+        return record
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: BoostConfig,
+    recorder: Recorder | None = None,
+) -> Callable[..., Any]:
+    """Run the boost pipeline on one Dynamo graph and return the compiled callable."""
+    record = recorder.new_graph() if recorder is not None else None
+    stages = record.stages if record is not None else None
+    if stages is not None:
+        stages.append(StageRecord("captured", gm.code, count_ops(gm.graph)))
+        if recorder.keep_view:
+            # analyse a copy: later passes rewrite gm in place
+            record.view = GraphView(copy.deepcopy(gm), example_inputs, config.analysis)
+
+    ctx = PassContext(gm, example_inputs, config, grad_enabled=torch.is_grad_enabled())
+    reports = run_graph_passes(graph_passes(config), ctx, stages)
+    if record is not None:
+        record.reports.extend(reports)
+
+    sink = record.aten_reports if record is not None else []
+    pipeline = AtenPipeline([p for p in aten_passes(config) if p.enabled()], sink)
+    return _inner_compile(gm, example_inputs, config, pipeline)
+
+
+def _inner_compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config: BoostConfig,
+    pipeline: AtenPipeline,
+) -> Callable[..., Any]:
+    if config.inner == "eager":
+        return gm.forward
+    if config.inner == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        def run_pipeline(aten_gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+            if pipeline.passes:
+                pipeline(aten_gm.graph)
+                aten_gm.recompile()
+            return make_boxed_func(aten_gm.forward)
+
+        return aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline)(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    patches: dict[str, Any] = {}
+    if pipeline.passes:
+        patches["post_grad_custom_post_pass"] = pipeline
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def boost_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: BoostConfig | dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Callable[..., Any]:
+    """The Dynamo backend registered as ``"boost"``.
+
+    ``torch.compile`` passes ``options=`` through unchanged; ``mode=`` is not used.
+    """
+    if kwargs.get("mode") not in (None, "default"):
+        raise ValueError(f"backend='boost' takes no mode (got {kwargs['mode']!r}); use options=")
+    config = BoostConfig.from_options(options)
+    return compile_graph(gm, example_inputs, config)
+
+
+def compile(  # noqa: A001 - mirrors torch.compile
+    model: Callable[..., Any],
+    config: BoostConfig | dict[str, Any] | None = None,
+    **compile_kwargs: Any,
+) -> Callable[..., Any]:
+    """``torch.compile(model, backend="boost", options=config)``, with the config checked now."""
+    cfg = BoostConfig.from_options(config)
+    return torch.compile(model, backend=functools.partial(compile_graph, config=cfg), **compile_kwargs)

@@ -1,0 +1,219 @@
+"""Ordered graph passes, their reports, and the cache-safe ATen pass wrapper.
+
+Two levels of pass:
+
+- ``GraphPass`` runs on the Dynamo graph (Torch IR), where parameters are still
+  placeholders with names, before the graph is handed to the inner compiler.
+- ``AtenPass`` runs on the forward and backward ATen graphs (after AOT autograd).
+  Under Inductor it goes in as ``post_grad_custom_post_pass``; the wrapper is a
+  ``CustomGraphPass`` whose ``uuid()`` hashes the passes' source and config, so the
+  FX graph cache stays valid and still hits.
+
+Every pass returns a ``PassReport`` (sites found / rewritten / skipped with a
+reason). In strict mode a pass that found nothing, or skipped a site, raises
+``StrictPassError``: a silent no-op is the classic failure of compiler passes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from boost_compile.analysis import GraphView
+from boost_compile.config import BoostConfig
+
+log = logging.getLogger("boost_compile")
+
+
+class StrictPassError(RuntimeError):
+    """A pass in strict mode did not rewrite what it was expected to."""
+
+
+@dataclass
+class PassReport:
+    """What one pass saw and did on one graph."""
+
+    name: str
+    found: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def skip(self, site: str, reason: str) -> None:
+        self.skipped.append((site, reason))
+        log.info("%s: skipped %s: %s", self.name, site, reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "found": list(self.found),
+            "rewritten": list(self.rewritten),
+            "skipped": [list(s) for s in self.skipped],
+            "details": self.details,
+        }
+
+    def line(self) -> str:
+        return (
+            f"{self.name}: found {len(self.found)}, rewritten {len(self.rewritten)}, "
+            f"skipped {len(self.skipped)}"
+        )
+
+
+@dataclass
+class PassContext:
+    """What a pass may read: the config, the real inputs and the shared analysis."""
+
+    gm: fx.GraphModule
+    example_inputs: Sequence[Any]
+    config: BoostConfig
+    grad_enabled: bool = True
+    _view: GraphView | None = None
+
+    @property
+    def view(self) -> GraphView:
+        """The analysis of the current graph (rebuilt after a pass rewrites it)."""
+        if self._view is None:
+            self._view = GraphView(self.gm, self.example_inputs, self.config.analysis)
+        return self._view
+
+    def invalidate(self) -> None:
+        self._view = None
+
+    def needs_grad(self) -> bool:
+        """Whether the compiled graph will be differentiated (a training graph)."""
+        if not self.grad_enabled:
+            return False
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in self.example_inputs)
+
+
+def _stable_repr(obj: Any) -> str:
+    if is_dataclass(obj):
+        obj = asdict(obj)
+    return json.dumps(obj, sort_keys=True, default=repr)
+
+
+class GraphPass:
+    """A Torch-IR pass: ``run(ctx) -> PassReport``, mutating ``ctx.gm`` in place.
+
+    Subclasses set ``name`` and read their own section of the config.
+    ``expects_sites``: under strict mode, finding nothing is an error.
+    """
+
+    name: ClassVar[str] = "pass"
+    expects_sites: ClassVar[bool] = True
+
+    def __init__(self, config: BoostConfig) -> None:
+        self.config = config
+
+    def enabled(self) -> bool:
+        return True
+
+    def run(self, ctx: PassContext) -> PassReport:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Hash of this pass's source and config (changes when either does)."""
+        src = inspect.getsource(inspect.getmodule(type(self)))
+        return hashlib.sha256((src + _stable_repr(self.config_section())).encode()).hexdigest()
+
+    def config_section(self) -> Any:
+        return None
+
+
+class AtenPass:
+    """A pass on an ATen graph (forward or backward), run by the inner compiler."""
+
+    name: ClassVar[str] = "aten_pass"
+
+    def __init__(self, config: BoostConfig) -> None:
+        self.config = config
+
+    def enabled(self) -> bool:
+        return True
+
+    def __call__(self, graph: fx.Graph) -> PassReport:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def config_section(self) -> Any:
+        return None
+
+    def uuid(self) -> str:
+        src = inspect.getsource(inspect.getmodule(type(self)))
+        return hashlib.sha256((src + _stable_repr(self.config_section())).encode()).hexdigest()
+
+
+class AtenPipeline(CustomGraphPass):
+    """The enabled ATen passes as one ``CustomGraphPass`` for Inductor.
+
+    ``sink`` collects each run's report; Inductor may run the pipeline on the
+    forward and the backward graph, so reports are appended per graph.
+    """
+
+    def __init__(self, passes: Sequence[AtenPass], sink: list[PassReport] | None = None) -> None:
+        self.passes = list(passes)
+        self.sink = sink if sink is not None else []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for p in self.passes:
+            report = p(graph)
+            self.sink.append(report)
+        graph.lint()
+
+    def uuid(self) -> bytes:
+        h = hashlib.sha256(inspect.getsource(inspect.getmodule(AtenPipeline)).encode())
+        for p in self.passes:
+            h.update(p.uuid().encode())
+        return h.digest()
+
+
+@dataclass
+class StageRecord:
+    """The graph code after one stage, for ``explain``."""
+
+    name: str
+    code: str
+    op_counts: dict[str, int]
+
+
+def run_graph_passes(
+    passes: Sequence[GraphPass],
+    ctx: PassContext,
+    stages: list[StageRecord] | None = None,
+) -> list[PassReport]:
+    """Run the enabled passes in order; check strict mode after each."""
+    from boost_compile.analysis import count_ops
+
+    reports = []
+    for p in passes:
+        if not p.enabled():
+            continue
+        report = p.run(ctx)
+        ctx.gm.graph.lint()
+        ctx.gm.recompile()
+        ctx.invalidate()
+        reports.append(report)
+        log.info("%s", report.line())
+        if ctx.config.strict:
+            check_strict(p, report)
+        if stages is not None:
+            stages.append(StageRecord(p.name, ctx.gm.code, count_ops(ctx.gm.graph)))
+    return reports
+
+
+def check_strict(p: GraphPass, report: PassReport) -> None:
+    if report.skipped:
+        reasons = "; ".join(f"{s}: {r}" for s, r in report.skipped)
+        raise StrictPassError(f"strict: pass {p.name!r} skipped {len(report.skipped)} site(s): {reasons}")
+    if p.expects_sites and not report.found:
+        raise StrictPassError(
+            f"strict: pass {p.name!r} is enabled but found no site to rewrite in this graph"
+        )
