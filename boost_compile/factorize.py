@@ -1,0 +1,206 @@
+"""``factorize_``: swap dense ``nn.Linear`` layers for bottlenecks, in place.
+
+    bc.factorize_(model, bc.FactorizeConfig(rank_ratio=0.25, init="svd"))
+
+Which layers: by default, the linears inside the repeated blocks, read from the
+captured graph (a linear whose output flows back into the residual stream); the
+embedding and the output head stay dense. ``filter_fn(module, fqn) -> bool``
+replaces that choice, as in torchao's ``quantize_``.
+
+Initialisation:
+- ``"svd"``: truncated SVD in fp32, sqrt of the singular values split into both
+  factors; the reconstruction error is exactly the discarded singular-value energy.
+- ``"random"``: CoLA's N(0,1) * r^-1/4 * (d_in + d_out)^-1/4 for both factors.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from boost_compile.analysis import capture_views
+from boost_compile.config import FactorizeConfig
+from boost_compile.models.lowrank import LowRankLinear, break_even_rank, cola_std
+
+log = logging.getLogger("boost_compile")
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+# ----------------------------------------------------------------------------- the math
+
+
+def svd_factors(weight: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-``rank`` factors of an ``nn.Linear`` weight ``W`` [d_out, d_in].
+
+    Returns ``(down, up)`` in ``nn.Linear`` layouts, ``down`` [r, d_in] and ``up``
+    [d_out, r], with ``up @ down`` the truncated SVD of W. Computed in fp32 and
+    cast back to W's dtype.
+    """
+    w32 = weight.detach().to(torch.float32)
+    u, s, vh = torch.linalg.svd(w32, full_matrices=False)
+    root = s[:rank].sqrt()
+    down = root[:, None] * vh[:rank]
+    up = u[:, :rank] * root[None, :]
+    return down.to(weight.dtype), up.to(weight.dtype)
+
+
+def cola_factors(
+    d_in: int, d_out: int, rank: int, *, dtype: torch.dtype = torch.float32, device: Any = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CoLA's random init: both factors N(0, 1) * r^-1/4 * (d_in + d_out)^-1/4."""
+    std = cola_std(d_in, d_out, rank)
+    down = torch.randn(rank, d_in, generator=generator, device=device) * std
+    up = torch.randn(d_out, rank, generator=generator, device=device) * std
+    return down.to(dtype), up.to(dtype)
+
+
+def saves_parameters(d_in: int, d_out: int, rank: int) -> bool:
+    """Whether r (d_in + d_out) < d_in d_out, i.e. r is below the break-even rank."""
+    return rank < break_even_rank(d_in, d_out)
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+@dataclass
+class FactorizedLayer:
+    fqn: str
+    d_in: int
+    d_out: int
+    rank: int
+    params_before: int
+    params_after: int
+
+
+@dataclass
+class FactorizeReport:
+    """What ``factorize_`` changed, and what it left dense and why."""
+
+    layers: list[FactorizedLayer] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def params_before(self) -> int:
+        return sum(x.params_before for x in self.layers)
+
+    @property
+    def params_after(self) -> int:
+        return sum(x.params_after for x in self.layers)
+
+    def __str__(self) -> str:
+        lines = [f"factorized {len(self.layers)} linear(s): {self.params_before:,} -> {self.params_after:,} params"]
+        lines += [f"  {x.fqn}: {x.d_in}->{x.d_out} rank {x.rank}" for x in self.layers]
+        lines += [f"  skipped {fqn}: {why}" for fqn, why in self.skipped]
+        return "\n".join(lines)
+
+
+def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """A small token batch for a language model (its first ``nn.Embedding`` sets the vocab)."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            device = module.weight.device
+            return (torch.randint(0, module.num_embeddings, (1, 8), device=device),)
+    raise ValueError(
+        "factorize_ reads the repeated blocks from the captured graph and needs an input to "
+        "capture it: pass example_inputs=(...) (or a filter_fn that picks the layers)"
+    )
+
+
+def block_linear_names(model: nn.Module, example_inputs: Sequence[Any]) -> set[str]:
+    """FQNs of the ``nn.Linear`` modules that lie inside the model's repeated blocks."""
+    views = capture_views(model, *example_inputs)
+    weights = {v.param_names[s.weight] for v in views for s in v.block_linears if s.weight in v.param_names}
+    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    return {w.rsplit(".", 1)[0] for w in weights if w.endswith(".weight")} & linears
+
+
+# ----------------------------------------------------------------------------- the swap
+
+
+def factorize_(
+    model: nn.Module,
+    config: FactorizeConfig,
+    filter_fn: FilterFn | None = None,
+    *,
+    example_inputs: Sequence[Any] | None = None,
+) -> FactorizeReport:
+    """Replace dense ``nn.Linear`` layers of ``model`` by ``LowRankLinear``, in place.
+
+    Without ``filter_fn`` the layers are the linears inside the repeated blocks,
+    found in the graph captured from ``example_inputs`` (default: a small token
+    batch for a model with an embedding). With ``filter_fn(module, fqn)``, every
+    ``nn.Linear`` it accepts is factorized.
+    """
+    if not isinstance(config, FactorizeConfig):
+        raise TypeError(f"factorize_ takes a FactorizeConfig, got {type(config).__name__}")
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if filter_fn is None:
+        chosen = block_linear_names(model, example_inputs or default_example_inputs(model))
+        selected = [(n, m) for n, m in linears if n in chosen]
+    else:
+        selected = [(n, m) for n, m in linears if filter_fn(m, n)]
+
+    report = FactorizeReport()
+    for fqn, linear in selected:
+        d_in, d_out = linear.in_features, linear.out_features
+        rank = config.rank_for(d_in, d_out)
+        if not saves_parameters(d_in, d_out, rank):
+            why = (
+                f"rank {rank} saves nothing for {d_in}->{d_out} "
+                f"(break-even rank {break_even_rank(d_in, d_out):.1f})"
+            )
+            warnings.warn(f"factorize_: {fqn} left dense: {why}", stacklevel=2)
+            report.skipped.append((fqn, why))
+            continue
+        new = _bottleneck_from(linear, rank, config)
+        _set_submodule(model, fqn, new)
+        report.layers.append(
+            FactorizedLayer(
+                fqn, d_in, d_out, rank,
+                params_before=sum(p.numel() for p in linear.parameters()),
+                params_after=sum(p.numel() for p in new.parameters()),
+            )
+        )
+    log.info("%s", report)
+    return report
+
+
+def _bottleneck_from(linear: nn.Linear, rank: int, config: FactorizeConfig) -> LowRankLinear:
+    weight = linear.weight
+    new = LowRankLinear(
+        linear.in_features, linear.out_features, rank,
+        bias=linear.bias is not None, activation=config.activation,
+        device=weight.device, dtype=weight.dtype,
+    )
+    if config.init == "svd":
+        if config.activation is not None:
+            warnings.warn(
+                "factorize_: init='svd' with an activation between the factors does not "
+                "approximate the dense layer; use init='random' to train from scratch",
+                stacklevel=3,
+            )
+        down, up = svd_factors(weight, rank)
+    else:
+        down, up = cola_factors(linear.in_features, linear.out_features, rank, dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        new.down.weight.copy_(down)
+        new.up.weight.copy_(up)
+        if linear.bias is not None:
+            # svd keeps the layer's function, bias included; random starts from zero
+            new.up.bias.copy_(linear.bias if config.init == "svd" else torch.zeros_like(linear.bias))
+    new.train(linear.training)
+    return new
+
+
+def _set_submodule(model: nn.Module, fqn: str, module: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
