@@ -1,0 +1,37 @@
+"""boost_compile: a torch.compile backend for low-rank (bottleneck) LLMs.
+
+    import torch, boost_compile as bc
+    model = bc.models.Llama(bc.models.LlamaConfig.preset("cola-60m"))
+    step = torch.compile(model, backend="boost")
+    print(bc.explain(model, tokens))
+"""
+
+from boost_compile import models
+from boost_compile.backend import boost_backend, compile
+from boost_compile.config import (
+    AnalysisConfig,
+    BoostConfig,
+    ConfigError,
+    FactorizeConfig,
+)
+from boost_compile.explain import Explanation, explain
+from boost_compile.factorize import FactorizeReport, factorize_
+from boost_compile.pass_manager import PassReport, StrictPassError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnalysisConfig",
+    "BoostConfig",
+    "ConfigError",
+    "Explanation",
+    "FactorizeConfig",
+    "FactorizeReport",
+    "PassReport",
+    "StrictPassError",
+    "boost_backend",
+    "compile",
+    "explain",
+    "factorize_",
+    "models",
+]

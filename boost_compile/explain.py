@@ -1,0 +1,286 @@
+"""``explain``: what each pass of the boost backend saw and did on a model.
+
+    print(bc.explain(model, tokens, options={"inner": "aot_eager"}))
+    bc.explain(model, tokens).save("explain_out")   # summary.md, summary.json, *.py, *.dot
+
+It compiles the model once with a recording pipeline, runs one forward (and one
+backward when the model has trainable parameters, restoring their ``.grad``
+afterwards), and reports per captured graph: the analysis (linears, bottlenecks,
+sibling groups, RMSNorm sites, the residual stream), each pass's sites found /
+rewritten / skipped, op counts before and after, the graph code of every stage,
+and a DOT drawing of the bottleneck structure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from boost_compile.analysis import GraphView
+from boost_compile.backend import GraphRecord, Recorder, compile_graph
+from boost_compile.config import BoostConfig
+
+
+@dataclass
+class Explanation:
+    """The recorded compile of one model; ``str()`` is a markdown report."""
+
+    config: BoostConfig
+    graphs: list[GraphRecord]
+
+    # -- data -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "graphs": [self._graph_dict(g) for g in self.graphs],
+        }
+
+    def _graph_dict(self, g: GraphRecord) -> dict[str, Any]:
+        view = g.view
+        out: dict[str, Any] = {
+            "index": g.index,
+            "stages": [{"name": s.name, "op_counts": s.op_counts} for s in g.stages],
+            "passes": [r.to_dict() for r in g.reports],
+            "aten": [r.to_dict() for r in g.aten_reports],
+        }
+        if view is not None:
+            out["analysis"] = {
+                "summary": view.summary(),
+                "linears": [
+                    {"name": s.name, "form": s.form, "d_in": s.d_in, "d_out": s.d_out, "bias": s.bias is not None}
+                    for s in view.linears
+                ],
+                "bottlenecks": [
+                    {"name": c.name, "down": c.down.name, "up": c.up.name, "rank": c.rank, "activation": c.activation}
+                    for c in view.bottlenecks
+                ],
+                "sibling_groups": [[m.name for m in grp.members] for grp in view.sibling_groups],
+                "rmsnorms": [
+                    {"name": s.name, "form": s.form, "eps": s.eps, "weight_offset": s.weight_offset, "upcast": s.upcast}
+                    for s in view.rmsnorms
+                ],
+                "residual_stream": [n.name for n in view.residual_stream],
+            }
+        return out
+
+    # -- report ---------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        return self.markdown()
+
+    def markdown(self) -> str:
+        lines = ["# boost_compile explain", "", f"inner compiler: `{self.config.inner}`, strict: {self.config.strict}", ""]
+        for g in self.graphs:
+            lines += self._graph_markdown(g)
+        return "\n".join(lines)
+
+    def _graph_markdown(self, g: GraphRecord) -> list[str]:
+        lines = [f"## Graph {g.index}", ""]
+        view = g.view
+        if view is not None:
+            s = view.summary()
+            lines += [
+                "### Analysis",
+                "",
+                f"- linears: {s['linears']}",
+                f"- bottleneck chains: {s['bottlenecks']}",
+                f"- sibling groups (shared input): {len(s['sibling_groups'])} (sizes {s['sibling_groups']})",
+                f"- RMSNorm sites: {sum(s['rmsnorms'].values())} {s['rmsnorms']}",
+                f"- residual stream: {s['residual_adds']} adds",
+                "",
+            ]
+            if view.bottlenecks:
+                lines += ["| bottleneck | d_in | r | d_out | activation |", "|---|---|---|---|---|"]
+                lines += [
+                    f"| {c.name} | {c.down.d_in} | {c.rank} | {c.up.d_out} | {c.activation or '-'} |"
+                    for c in view.bottlenecks
+                ]
+                lines.append("")
+            if view.rmsnorms:
+                lines += ["RMSNorm sites:", ""]
+                lines += [f"- {n.name} ({n.form}, eps {n.eps})" for n in view.rmsnorms]
+                lines.append("")
+            if view.sibling_groups:
+                lines += ["Sibling groups:", ""]
+                lines += [f"- {' , '.join(m.name for m in grp.members)}" for grp in view.sibling_groups]
+                lines.append("")
+        lines += ["### Passes", ""]
+        if not g.reports:
+            lines += ["(no Torch-IR pass enabled)", ""]
+        for r in g.reports:
+            lines.append(f"- {r.line()}")
+            lines += [f"  - skipped {site}: {why}" for site, why in r.skipped]
+        lines.append("")
+        lines += ["### Op counts", ""]
+        lines += self._op_table(g)
+        return lines
+
+    def _op_table(self, g: GraphRecord) -> list[str]:
+        columns = [(s.name, s.op_counts) for s in g.stages]
+        columns += [
+            (f"aten {r.details.get('graph', '?')}", r.details.get("op_counts", {}))
+            for r in g.aten_reports
+            if r.name == "op_census"
+        ]
+        if not columns:
+            return ["(none recorded)", ""]
+        header = "| stage | ops | top ops |"
+        rows = [header, "|---|---|---|"]
+        for name, counts in columns:
+            top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:6]
+            rows.append(f"| {name} | {sum(counts.values())} | {', '.join(f'{k} x{v}' for k, v in top)} |")
+        return rows + [""]
+
+    # -- files ----------------------------------------------------------------------
+
+    def save(self, folder: str | Path) -> Path:
+        """Write summary.md, summary.json, one .py per stage and a .dot per graph."""
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.md").write_text(self.markdown())
+        (out / "summary.json").write_text(json.dumps(self.to_dict(), indent=2, default=str))
+        for g in self.graphs:
+            for i, stage in enumerate(g.stages):
+                (out / f"graph{g.index}_{i}_{stage.name}.py").write_text(stage.code)
+            if g.view is not None:
+                (out / f"graph{g.index}_bottlenecks.dot").write_text(bottleneck_dot(g.view))
+        return out
+
+
+# ----------------------------------------------------------------------------- the drawing
+
+
+def bottleneck_dot(view: GraphView) -> str:
+    """DOT text: norms, linears (clustered per bottleneck) and residual adds, with data flow."""
+    sites: dict[fx.Node, str] = {}
+    for s in view.rmsnorms:
+        sites[s.output] = f"RMSNorm {s.name} ({s.form})"
+    for s in view.linears:
+        sites[s.node] = f"{s.name}\\n{s.d_in}->{s.d_out}"
+    for n in view.residual_stream[1:]:
+        sites[n] = f"+ {n.name}"
+    ids = {n: f"n{i}" for i, n in enumerate(sites)}
+    lines = ["digraph bottlenecks {", "  rankdir=TB; node [shape=box, fontsize=10];"]
+    for i, chain in enumerate(view.bottlenecks):
+        lines.append(f'  subgraph cluster_b{i} {{ label="{chain.name} r={chain.rank} {chain.activation or ""}"; style=rounded;')
+        lines.append(f"    {ids[chain.down.node]}; {ids[chain.up.node]}; }}")
+    for node, label in sites.items():
+        shape = "ellipse" if label.startswith("+") else ("box3d" if label.startswith("RMSNorm") else "box")
+        lines.append(f'  {ids[node]} [label="{label}", shape={shape}];')
+    for node in sites:
+        for nxt in _next_sites(node, sites):
+            lines.append(f"  {ids[node]} -> {ids[nxt]};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _next_sites(start: fx.Node, sites: dict[fx.Node, str]) -> list[fx.Node]:
+    """The first site nodes reached from ``start`` along data-flow edges."""
+    found, seen, stack = [], {start}, list(start.users)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in sites:
+            found.append(node)
+        else:
+            stack.extend(node.users)
+    return sorted(found, key=lambda n: n.name)
+
+
+# ----------------------------------------------------------------------------- the entry points
+
+
+def explain(
+    model: torch.nn.Module,
+    *example_inputs: Any,
+    options: BoostConfig | dict[str, Any] | None = None,
+    backward: bool | None = None,
+) -> Explanation:
+    """Compile ``model`` with the boost pipeline, run it once, and report what happened.
+
+    ``backward``: also run a backward pass (default: when grad is enabled and the
+    model has trainable parameters), so the backward graph is compiled and shown.
+    Parameter ``.grad`` values are restored afterwards.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    config = BoostConfig.from_options(options)
+    recorder = Recorder()
+    backend = functools.partial(compile_graph, config=config, recorder=recorder)
+    compiled = torch.compile(model, backend=backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if backward is None:
+        backward = torch.is_grad_enabled() and bool(params)
+    saved_grads = [p.grad for p in params]
+    for p in params:  # backward accumulates in place: keep the user's tensors out of reach
+        p.grad = None
+    # Caches would skip the ATen passes whose reports we show.
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        out = compiled(*example_inputs)
+        if backward:
+            loss = _scalar(out)
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+    for p, g in zip(params, saved_grads, strict=True):
+        p.grad = g
+    return Explanation(config, recorder.graphs)
+
+
+def _scalar(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out.float().sum()
+    if isinstance(out, (tuple, list)) and out:
+        return _scalar(out[0])
+    if isinstance(out, dict) and out:
+        return _scalar(out.get("loss", next(iter(out.values()))))
+    logits = getattr(out, "loss", None)
+    if logits is None:
+        logits = getattr(out, "logits", None)
+    return _scalar(logits) if logits is not None else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``boost-explain``: explain a reference preset and write the report folder."""
+    from boost_compile.models import Llama, LlamaConfig
+
+    parser = argparse.ArgumentParser(prog="boost-explain", description=main.__doc__)
+    parser.add_argument("--preset", default="tiny", help=f"one of {', '.join(LlamaConfig.presets())}")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--options", default="{}", help='JSON for options=, e.g. \'{"inner": "aot_eager"}\'')
+    parser.add_argument("--inner", default=None, help="inner compiler (overrides --options)")
+    parser.add_argument("--out", default="explain_out", help="folder for summary.md/json, code and drawings")
+    parser.add_argument("--no-backward", action="store_true", help="explain the forward graph only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    options = json.loads(args.options)
+    if args.inner:
+        options["inner"] = args.inner
+    options.setdefault("inner", "aot_eager")
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig.preset(args.preset)
+    model = Llama(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    report = explain(model, tokens, options=options, backward=not args.no_backward)
+    folder = report.save(args.out)
+    print(report)
+    print(f"wrote {folder}/summary.md, summary.json, per-stage .py and .dot files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
