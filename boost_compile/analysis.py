@@ -273,6 +273,15 @@ class GraphView:
     def linear_by_node(self) -> dict[fx.Node, LinearSite]:
         return {s.node: s for s in self.linears}
 
+    def weight_shape(self, node: fx.Node) -> tuple[int, ...] | None:
+        """Shape of a parameter placeholder, or of a tensor attribute (``get_attr``)."""
+        if node.op == "get_attr":
+            value: Any = self.gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part, None)
+            return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        return _shape(node)
+
     def _weight_of(self, node: Any) -> tuple[fx.Node, bool] | None:
         """A parameter node used directly, or through ``.t()``/``.T`` (second item: transposed)."""
         if not isinstance(node, fx.Node):
@@ -296,7 +305,7 @@ class GraphView:
             b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             if not self.is_param(w):
                 return None
-            shape = _shape(w)
+            shape = self.weight_shape(w)
             if shape is None or len(shape) != 2:
                 return None
             return self._site(node, x, w, b, shape[1], shape[0], "out_in", "linear")
@@ -306,7 +315,7 @@ class GraphView:
             if found is None:
                 return None
             param, transposed = found
-            shape = _shape(param)
+            shape = self.weight_shape(param)
             if shape is None or len(shape) != 2:
                 return None
             form = "mm" if _is(node, _MM_TARGETS, "mm") else "matmul"
@@ -319,7 +328,7 @@ class GraphView:
             if found is None or not self.is_param(b):
                 return None
             param, transposed = found
-            shape = _shape(param)
+            shape = self.weight_shape(param)
             if shape is None or len(shape) != 2:
                 return None
             d_in, d_out = (shape[1], shape[0]) if transposed else shape

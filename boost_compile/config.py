@@ -98,6 +98,18 @@ class FactorizeConfig:
 
 
 @dataclass
+class GroupConfig:
+    """Linears that share an input become one GEMM on concatenated weights."""
+
+    enabled: bool = True
+    min_members: int = 2
+
+    def __post_init__(self) -> None:
+        if self.min_members < 2:
+            raise ConfigError(f"group.min_members must be >= 2, got {self.min_members}")
+
+
+@dataclass
 class OpCensusConfig:
     """Count the ATen ops of the forward and backward graphs (for ``explain``)."""
 
@@ -111,12 +123,14 @@ class BoostConfig:
     ``inner``: the compiler the rewritten graph is handed to.
     ``strict``: raise when an enabled pass found nothing to rewrite or skipped a site.
     ``factorize``: opt-in compile-time factorization for frozen models (None = off).
+    ``group``: one GEMM per set of linears that share an input (on by default).
     """
 
     inner: str = "inductor"
     strict: bool = False
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     factorize: FactorizeConfig | None = None
+    group: GroupConfig = field(default_factory=GroupConfig)
     op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """Graph passes of the boost backend, one per file, in the order they run.
 
 Torch-IR passes (on the Dynamo graph, before the inner compiler):
-  factorize   dense linear -> bottleneck, for frozen graphs (opt-in)
+  factorize       dense linear -> bottleneck, for frozen graphs (opt-in)
+  group_linears   linears sharing an input -> one GEMM + split
 
 ATen passes (on the forward/backward graphs, inside the inner compiler):
   op_census   counts ATen ops per graph, for ``explain``
@@ -12,10 +13,11 @@ from __future__ import annotations
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import AtenPass, GraphPass
 from boost_compile.passes.factorize import FactorizePass
+from boost_compile.passes.group_linears import GroupLinearsPass
 from boost_compile.passes.op_census import OpCensusPass
 
 #: Torch-IR passes, in order.
-GRAPH_PASSES: tuple[type[GraphPass], ...] = (FactorizePass,)
+GRAPH_PASSES: tuple[type[GraphPass], ...] = (FactorizePass, GroupLinearsPass)
 #: ATen passes, in order.
 ATEN_PASSES: tuple[type[AtenPass], ...] = (OpCensusPass,)
 

@@ -75,9 +75,12 @@ class FactorizePass(GraphPass):
             down_name, up_name = f"boost_factor_{i}_down", f"boost_factor_{i}_up"
             _add_constant(ctx.gm, down_name, down)
             _add_constant(ctx.gm, up_name, up)
-            with graph.inserting_before(site.node):
+            # constants go to the top of the graph, where later passes expect weights
+            first_op = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first_op):
                 a = graph.get_attr(down_name)
                 b = graph.get_attr(up_name)
+            with graph.inserting_before(site.node):
                 h = graph.call_function(torch._C._nn.linear, (site.input, a))
                 if cfg.activation is not None:
                     h = graph.call_function(_ACTIVATION_FN[cfg.activation], (h,))
