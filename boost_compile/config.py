@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 FACTORIZE_INITS = ("svd", "random")
 ACTIVATIONS = ("silu", "gelu", "relu")
+RMSNORM_DEVICES = ("cuda", "cpu")
 
 
 class ConfigError(ValueError):
@@ -110,6 +111,25 @@ class GroupConfig:
 
 
 @dataclass
+class RMSNormConfig:
+    """Every RMSNorm becomes the fused ``boost::rms_norm`` op.
+
+    ``devices``: rewrite only graphs whose activations are on these device types.
+    The op is a Triton kernel on CUDA; on CPU it is ATen code that Inductor cannot
+    fuse, so CPU graphs keep Inductor's own norm unless "cpu" is listed.
+    """
+
+    enabled: bool = True
+    devices: tuple[str, ...] = ("cuda",)
+
+    def __post_init__(self) -> None:
+        self.devices = tuple(self.devices)
+        bad = [d for d in self.devices if d not in RMSNORM_DEVICES]
+        if bad:
+            raise ConfigError(f"rmsnorm.devices has {bad}; choose from {RMSNORM_DEVICES}")
+
+
+@dataclass
 class OpCensusConfig:
     """Count the ATen ops of the forward and backward graphs (for ``explain``)."""
 
@@ -124,6 +144,7 @@ class BoostConfig:
     ``strict``: raise when an enabled pass found nothing to rewrite or skipped a site.
     ``factorize``: opt-in compile-time factorization for frozen models (None = off).
     ``group``: one GEMM per set of linears that share an input (on by default).
+    ``rmsnorm``: every RMSNorm becomes the fused op (on by default, CUDA graphs).
     """
 
     inner: str = "inductor"
@@ -131,6 +152,7 @@ class BoostConfig:
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
     factorize: FactorizeConfig | None = None
     group: GroupConfig = field(default_factory=GroupConfig)
+    rmsnorm: RMSNormConfig = field(default_factory=RMSNormConfig)
     op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
 
     def __post_init__(self) -> None:
@@ -213,6 +235,11 @@ def _check_scalar(name: str, annotation: Any, value: Any) -> None:
     for typ in allowed:
         if get_origin(typ) is Literal and value in get_args(typ):
             return
+        if get_origin(typ) in (list, tuple):
+            item = get_args(typ)[0] if get_args(typ) else object
+            if isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value):
+                return
+            continue
         if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return
         if typ is int and isinstance(value, int) and not isinstance(value, bool):

@@ -119,6 +119,7 @@ class Explanation:
             lines += ["(no Torch-IR pass enabled)", ""]
         for r in g.reports:
             lines.append(f"- {r.line()}")
+            lines += [f"  - rewrote {site}" for site in r.rewritten]
             lines += [f"  - skipped {site}: {why}" for site, why in r.skipped]
         lines.append("")
         lines += ["### Op counts", ""]

@@ -47,6 +47,9 @@ class PassReport:
     rewritten: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    #: Set when the pass does not apply to this graph by design (e.g. a CUDA-only
+    #: rewrite on a CPU graph): strict mode accepts it, explain shows the reason.
+    not_applicable: str | None = None
 
     def skip(self, site: str, reason: str) -> None:
         self.skipped.append((site, reason))
@@ -59,9 +62,12 @@ class PassReport:
             "rewritten": list(self.rewritten),
             "skipped": [list(s) for s in self.skipped],
             "details": self.details,
+            "not_applicable": self.not_applicable,
         }
 
     def line(self) -> str:
+        if self.not_applicable:
+            return f"{self.name}: not applicable ({self.not_applicable})"
         return (
             f"{self.name}: found {len(self.found)}, rewritten {len(self.rewritten)}, "
             f"skipped {len(self.skipped)}"
@@ -210,6 +216,8 @@ def run_graph_passes(
 
 
 def check_strict(p: GraphPass, report: PassReport) -> None:
+    if report.not_applicable:
+        return
     if report.skipped:
         reasons = "; ".join(f"{s}: {r}" for s, r in report.skipped)
         raise StrictPassError(f"strict: pass {p.name!r} skipped {len(report.skipped)} site(s): {reasons}")

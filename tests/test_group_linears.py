@@ -31,6 +31,11 @@ def compile_recorded(model: nn.Module, inner: str = "aot_eager", **options):
     return torch.compile(model, backend=backend, fullgraph=True), rec
 
 
+def group_report(graph):
+    (report,) = [r for r in graph.reports if r.name == "group_linears"]
+    return report
+
+
 def gemm_count(op_counts: dict[str, int]) -> int:
     return sum(v for k, v in op_counts.items() if k in GEMMS)
 
@@ -59,7 +64,7 @@ def test_reference_models(preset, before, after, inner):
     model = Llama(LlamaConfig.preset(preset))
     tokens = torch.randint(0, 256, (2, 16))
     graph = check_parity(model, (tokens, tokens), inner, loss_fn=lambda loss: loss)
-    (report,) = [r for r in graph.reports if r.name == "group_linears"]
+    report = group_report(graph)
     n = model.config.n_layers
     assert len(report.rewritten) == 2 * n and not report.skipped
     captured, grouped = graph.stages[0].op_counts, graph.stages[-1].op_counts
@@ -73,7 +78,7 @@ def test_hugging_face_llama():
     model = tiny_hf_llama()
     tokens = torch.randint(0, 256, (2, 16))
     graph = check_parity(model, (tokens,), loss_fn=lambda out: out.logits.float().logsumexp(-1).mean())
-    (report,) = [r for r in graph.reports if r.name == "group_linears"]
+    report = group_report(graph)
     assert sorted(d["members"] for d in report.details.values()) == [2, 2, 3, 3]
     assert gemm_count(graph.stages[-1].op_counts) == 4 * 2 + 1
 
@@ -97,7 +102,7 @@ class Shapes(nn.Module):
 def test_leading_dims_bias_and_matmul_members(shape):
     x = torch.randn(*shape)
     graph = check_parity(Shapes(), (x,))
-    (report,) = graph.reports
+    report = group_report(graph)
     assert sorted(d["members"] for d in report.details.values()) == [2, 3]
     assert gemm_count(graph.stages[-1].op_counts) == 2
 
@@ -114,7 +119,7 @@ def test_computed_bias_is_skipped_with_a_reason():
             return F.linear(x, self.w1, self.b * 2), F.linear(x, self.w2)
 
     graph = check_parity(ComputedBias(), (torch.randn(3, 16),))
-    (report,) = graph.reports
+    report = group_report(graph)
     assert report.rewritten == [] and "bias is computed in the graph" in report.skipped[0][1]
     with pytest.raises(Exception, match="strict: pass 'group_linears' skipped 1 site"):
         compiled, _ = compile_recorded(ComputedBias(), strict=True)
