@@ -30,16 +30,16 @@ from boost_compile.models import Llama, LlamaConfig
 GEMMS = ("linear", "matmul", "mm", "addmm")
 
 
-def variants(device: str) -> dict[str, dict[str, Any] | None]:
-    """name -> boost options (None: plain Inductor)."""
+def variants(device: str) -> dict[str, tuple[str, dict[str, Any] | None]]:
+    """short name -> (label, boost options); None options: plain Inductor."""
     norm_devices = [device]
     return {
-        "inductor": None,
-        "boost, all passes off": {"group": {"enabled": False}, "rmsnorm": {"enabled": False}, "op_census": {"enabled": False}},
-        "boost, group only": {"rmsnorm": {"enabled": False}},
-        "boost, rmsnorm only": {"group": {"enabled": False}, "rmsnorm": {"devices": norm_devices}},
-        "boost, group + rmsnorm": {"rmsnorm": {"devices": norm_devices}},
-        "boost, defaults": {},
+        "inductor": ("inductor", None),
+        "off": ("boost, all passes off", {"group": {"enabled": False}, "rmsnorm": {"enabled": False}, "op_census": {"enabled": False}}),
+        "group": ("boost, group only", {"rmsnorm": {"enabled": False}}),
+        "rmsnorm": ("boost, rmsnorm only", {"group": {"enabled": False}, "rmsnorm": {"devices": norm_devices}}),
+        "group+rmsnorm": ("boost, group + rmsnorm", {"rmsnorm": {"devices": norm_devices}}),
+        "defaults": ("boost, defaults", {}),
     }
 
 
@@ -124,7 +124,9 @@ def run_preset(preset: str, args: argparse.Namespace) -> str:
     cfg = base.config
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
     steps = {}
-    for name, options in variants(args.device).items():
+    table = variants(args.device)
+    for key in args.variants:
+        name, options = table[key]
         model = copy.deepcopy(base)
         compiled = compile_variant(model, options)
         step = step_fn(model, compiled, tokens, args.device)
@@ -164,7 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(variants("cpu")), choices=list(variants("cpu")),
+        help="which variants to run (inductor is the baseline and always runs first)",
+    )
     args = parser.parse_args(argv)
+    args.variants = ["inductor"] + [v for v in args.variants if v != "inductor"]
     torch._dynamo.config.cache_size_limit = 64
     for preset in args.presets:
         print(run_preset(preset, args), flush=True)
