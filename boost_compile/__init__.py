@@ -14,6 +14,12 @@ from boost_compile.config import (
     ConfigError,
     FactorizeConfig,
 )
+from boost_compile.distributed import (
+    ParallelizeError,
+    gather_full_grads,
+    gather_full_state_dict,
+    parallelize_,
+)
 from boost_compile.explain import Explanation, explain
 from boost_compile.factorize import FactorizeReport, factorize_
 from boost_compile.pass_manager import PassReport, StrictPassError
@@ -27,11 +33,15 @@ __all__ = [
     "Explanation",
     "FactorizeConfig",
     "FactorizeReport",
+    "ParallelizeError",
     "PassReport",
     "StrictPassError",
     "boost_backend",
     "compile",
     "explain",
     "factorize_",
+    "gather_full_grads",
+    "gather_full_state_dict",
     "models",
+    "parallelize_",
 ]

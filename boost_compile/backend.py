@@ -32,7 +32,7 @@ from boost_compile.pass_manager import (
     StageRecord,
     run_graph_passes,
 )
-from boost_compile.passes import aten_passes, graph_passes
+from boost_compile.passes import aten_passes, checkpoint_partitioner, graph_passes
 
 
 @dataclass
@@ -43,6 +43,8 @@ class GraphRecord:
     stages: list[StageRecord] = field(default_factory=list)
     reports: list[PassReport] = field(default_factory=list)
     aten_reports: list[PassReport] = field(default_factory=list)
+    #: one ``saved_tensors`` report per joint graph split (passes/checkpoint.py)
+    partition_reports: list[PassReport] = field(default_factory=list)
     view: GraphView | None = None
 
 
@@ -81,7 +83,9 @@ def compile_graph(
 
     sink = record.aten_reports if record is not None else []
     pipeline = AtenPipeline([p for p in aten_passes(config) if p.enabled()], sink)
-    return _inner_compile(gm, example_inputs, config, pipeline)
+    # activation checkpointing: the joint-graph partitioner (None: the inner compiler's own)
+    partitioner = checkpoint_partitioner(config, record.partition_reports if record is not None else None)
+    return _inner_compile(gm, example_inputs, config, pipeline, partitioner)
 
 
 def _inner_compile(
@@ -89,6 +93,7 @@ def _inner_compile(
     example_inputs: Sequence[Any],
     config: BoostConfig,
     pipeline: AtenPipeline,
+    partitioner: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     if config.inner == "eager":
         return gm.forward
@@ -102,12 +107,15 @@ def _inner_compile(
                 aten_gm.recompile()
             return make_boxed_func(aten_gm.forward)
 
-        return aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline)(gm, example_inputs)
+        extra = {"partition_fn": partitioner} if partitioner is not None else {}
+        return aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline, **extra)(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
     patches: dict[str, Any] = {}
     if pipeline.passes:
         patches["post_grad_custom_post_pass"] = pipeline
+    if partitioner is not None:
+        patches["custom_partitioner_fn"] = partitioner
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 

@@ -17,6 +17,8 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 FACTORIZE_INITS = ("svd", "random")
 ACTIVATIONS = ("silu", "gelu", "relu")
 RMSNORM_DEVICES = ("cuda", "cpu")
+#: ``checkpoint=``: what the backward keeps (passes/checkpoint.py describes each policy).
+CHECKPOINT_MODES = ("none", "lowrank", "full", "budget")
 
 
 class ConfigError(ValueError):
@@ -130,6 +132,13 @@ class RMSNormConfig:
 
 
 @dataclass
+class TPConfig:
+    """Collectives for a model sharded by ``parallelize_`` (applies only to such models)."""
+
+    enabled: bool = True
+
+
+@dataclass
 class OpCensusConfig:
     """Count the ATen ops of the forward and backward graphs (for ``explain``)."""
 
@@ -145,6 +154,9 @@ class BoostConfig:
     ``factorize``: opt-in compile-time factorization for frozen models (None = off).
     ``group``: one GEMM per set of linears that share an input (on by default).
     ``rmsnorm``: every RMSNorm becomes the fused op (on by default, CUDA graphs).
+    ``checkpoint``: activation checkpointing, one of ``CHECKPOINT_MODES`` (off by
+    default); ``checkpoint_budget`` is PyTorch's activation memory budget, in
+    [0, 1], used by ``checkpoint="budget"`` only.
     """
 
     inner: str = "inductor"
@@ -153,13 +165,22 @@ class BoostConfig:
     factorize: FactorizeConfig | None = None
     group: GroupConfig = field(default_factory=GroupConfig)
     rmsnorm: RMSNormConfig = field(default_factory=RMSNormConfig)
+    tp: TPConfig = field(default_factory=TPConfig)
     op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
+    checkpoint: str = "none"
+    checkpoint_budget: float = 0.5
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
             raise ConfigError(
                 f"inner={self.inner!r} is not a valid inner compiler; choose one of {INNER_COMPILERS}"
             )
+        if self.checkpoint not in CHECKPOINT_MODES:
+            raise ConfigError(
+                f"checkpoint={self.checkpoint!r} is not valid; choose one of {CHECKPOINT_MODES}"
+            )
+        if not 0.0 <= self.checkpoint_budget <= 1.0:
+            raise ConfigError(f"checkpoint_budget must be in [0, 1], got {self.checkpoint_budget}")
 
     @classmethod
     def from_options(cls, options: BoostConfig | dict[str, Any] | None) -> BoostConfig:

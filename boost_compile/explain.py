@@ -52,6 +52,7 @@ class Explanation:
             "stages": [{"name": s.name, "op_counts": s.op_counts} for s in g.stages],
             "passes": [r.to_dict() for r in g.reports],
             "aten": [r.to_dict() for r in g.aten_reports],
+            "saved_tensors": [r.to_dict() for r in g.partition_reports],
         }
         if view is not None:
             out["analysis"] = {
@@ -124,7 +125,36 @@ class Explanation:
         lines.append("")
         lines += ["### Op counts", ""]
         lines += self._op_table(g)
+        lines += self._collective_table(g)
+        lines += self._saved_tensors(g)
         return lines
+
+    def _saved_tensors(self, g: GraphRecord) -> list[str]:
+        """What the forward keeps for the backward, per block (passes/checkpoint.py)."""
+        from boost_compile.passes.checkpoint import saved_markdown
+
+        lines = []
+        for r in g.partition_reports:
+            lines += ["### Saved for backward", "", *saved_markdown(r)]
+        return lines
+
+    def _collective_table(self, g: GraphRecord) -> list[str]:
+        census = [r for r in g.aten_reports if r.name == "collective_census"]
+        if not any(r.details["collectives"] for r in census):
+            return []
+        layers = max(1, (len(g.view.residual_stream) - 1) // 2) if g.view is not None else 1
+        lines = ["### Collectives", "", "| graph | kind | shape | dtype | bytes |", "|---|---|---|---|---:|"]
+        for r in census:
+            for c in r.details["collectives"]:
+                lines.append(f"| {r.details['graph']} | {c['kind']} | {c['shape']} | {c['dtype']} | {c['bytes']:,} |")
+        lines.append("")
+        for r in census:
+            reduce_bytes = sum(c["bytes"] or 0 for c in r.details["collectives"] if c["kind"] == "all_reduce")
+            lines.append(
+                f"- {r.details['graph']}: {len(r.details['collectives'])} collectives, "
+                f"{r.details['total_bytes']:,} bytes; all-reduce bytes per layer ({layers} layers): {reduce_bytes // layers:,}"
+            )
+        return lines + [""]
 
     def _op_table(self, g: GraphRecord) -> list[str]:
         columns = [(s.name, s.op_counts) for s in g.stages]

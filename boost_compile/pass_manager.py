@@ -94,6 +94,14 @@ class PassContext:
     def invalidate(self) -> None:
         self._view = None
 
+    @property
+    def has_dtensor(self) -> bool:
+        """Whether parameters are DTensors (the "vanilla" TP plan): passes that cut
+        or concatenate weights leave such graphs to DTensor."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(t, DTensor) for t in self.example_inputs)
+
     def needs_grad(self) -> bool:
         """Whether the compiled graph will be differentiated (a training graph)."""
         if not self.grad_enabled:

@@ -3,25 +3,38 @@
 Torch-IR passes (on the Dynamo graph, before the inner compiler):
   factorize       dense linear -> bottleneck, for frozen graphs (opt-in)
   group_linears   linears sharing an input -> one GEMM + split
+  tp_collectives  collectives of a model sharded by parallelize_ (online RMSNorm)
   rmsnorm         every RMSNorm site -> the fused boost::rms_norm op
+  checkpoint      tags what backward keeps / recomputes (opt-in; runs last, it must
+                  see the rewritten graph; its partitioner is checkpoint_partitioner)
 
 ATen passes (on the forward/backward graphs, inside the inner compiler):
-  op_census   counts ATen ops per graph, for ``explain``
+  op_census          counts ATen ops per graph, for ``explain``
+  collective_census  lists each collective with its bytes, for ``explain``
 """
 
 from __future__ import annotations
 
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import AtenPass, GraphPass
+from boost_compile.passes.checkpoint import CheckpointPass, checkpoint_partitioner
+from boost_compile.passes.collective_census import CollectiveCensusPass
 from boost_compile.passes.factorize import FactorizePass
 from boost_compile.passes.group_linears import GroupLinearsPass
 from boost_compile.passes.op_census import OpCensusPass
 from boost_compile.passes.rmsnorm import RMSNormPass
+from boost_compile.passes.tp_collectives import TPCollectivesPass
 
 #: Torch-IR passes, in order.
-GRAPH_PASSES: tuple[type[GraphPass], ...] = (FactorizePass, GroupLinearsPass, RMSNormPass)
+GRAPH_PASSES: tuple[type[GraphPass], ...] = (
+    FactorizePass,
+    GroupLinearsPass,
+    TPCollectivesPass,
+    RMSNormPass,
+    CheckpointPass,  # last: tags the rewritten graph (activation checkpointing)
+)
 #: ATen passes, in order.
-ATEN_PASSES: tuple[type[AtenPass], ...] = (OpCensusPass,)
+ATEN_PASSES: tuple[type[AtenPass], ...] = (OpCensusPass, CollectiveCensusPass)
 
 
 def graph_passes(config: BoostConfig) -> list[GraphPass]:
@@ -32,4 +45,4 @@ def aten_passes(config: BoostConfig) -> list[AtenPass]:
     return [cls(config) for cls in ATEN_PASSES]
 
 
-__all__ = ["ATEN_PASSES", "GRAPH_PASSES", "aten_passes", "graph_passes"]
+__all__ = ["ATEN_PASSES", "GRAPH_PASSES", "aten_passes", "checkpoint_partitioner", "graph_passes"]

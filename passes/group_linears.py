@@ -43,6 +43,9 @@ class GroupLinearsPass(GraphPass):
 
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)
+        if ctx.has_dtensor:
+            report.not_applicable = "DTensor parameters (PyTorch's own tensor parallelism)"
+            return report
         min_members = self.config.group.min_members
         groups = ctx.view.sibling_groups
         order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}

@@ -48,6 +48,9 @@ class RMSNormPass(GraphPass):
         import boost_compile.kernels  # noqa: F401  (registers torch.ops.boost)
 
         report = PassReport(self.name)
+        if ctx.has_dtensor:
+            report.not_applicable = "DTensor parameters (PyTorch's own tensor parallelism)"
+            return report
         graph = ctx.gm.graph
         devices = set(self.config.rmsnorm.devices)
         sites = ctx.view.rmsnorms

@@ -49,7 +49,7 @@ def norm_report(graph):
 
 
 def aten_count(graph, kind, op):
-    (r,) = [r for r in graph.aten_reports if r.details["graph"] == kind]
+    (r,) = [r for r in graph.aten_reports if r.name == "op_census" and r.details["graph"] == kind]
     return r.details["op_counts"].get(op, 0)
 
 

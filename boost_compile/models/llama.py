@@ -255,16 +255,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the tensors (-1), not the config, so a tensor-parallel
+        # rank that holds a slice of the heads runs the same code on its local heads.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        n_rep = self.n_heads // self.n_kv_heads
+        n_rep = q.shape[1] // k.shape[1]
         k = repeat_kv(k, n_rep)
         v = repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(b, s, -1)
         return self.o_proj(out)
 
 

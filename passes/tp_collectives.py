@@ -1,0 +1,243 @@
+"""Insert the tensor-parallel collectives of a model sharded by ``parallelize_``.
+
+Reads the ``ShardSpec`` that ``parallelize_`` attached to each parameter (the
+example inputs are the parameters themselves) and rewrites, on the Dynamo graph:
+
+    y = linear(x, W_row)      ->  y = reduce_from_tp(linear(x, W_row)) [+ b]
+    y = linear(x, W_col)      ->  y = linear(copy_to_tp(x), W_col)       (one copy per input)
+
+A weight that is ``cat`` of shards of one role (a group formed by
+``group_linears``) keeps that role, so a grouped q/k/v down factor needs one
+all-reduce of [T, r_q + r_k + r_v].
+
+Online RMSNorm (btp): a norm whose input is a d-sharded slice of the residual
+stream and whose output feeds row-parallel GEMMs only becomes
+
+    s  = sum(x.float() ** 2, -1)                  # local statistic, fp32
+    h  = linear(x * (offset + w), W_row)          # = rms(x) * (norm(x) @ W) locally
+    H, S = split(reduce_from_tp(cat([h.float(), s], -1)))   # ONE collective
+    y  = (H * rsqrt(S / d + eps)).to(x.dtype)
+
+so the statistic travels in the all-reduce the GEMM needs anyway. The pair is
+packed in fp32: for bf16 models the [T, r] part doubles in bytes, which costs
+less than a second, latency-bound collective for the statistic. A norm on a
+sharded input that feeds anything else gets its own all-reduce of the statistic
+(correct, one extra small collective), reported as such.
+
+The ``tp_sentinel`` that guards the model's input is removed here.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from boost_compile.analysis import RMSNormSite
+from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
+from boost_compile.distributed.parallelize import ShardSpec
+from boost_compile.pass_manager import GraphPass, PassContext, PassReport
+
+_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
+_MATMUL = {operator.matmul, torch.matmul, torch.mm}
+
+
+class TPCollectivesPass(GraphPass):
+    name = "tp_collectives"
+
+    def enabled(self) -> bool:
+        return self.config.tp.enabled
+
+    def config_section(self) -> Any:
+        return self.config.tp
+
+    def run(self, ctx: PassContext) -> PassReport:
+        report = PassReport(self.name)
+        graph = ctx.gm.graph
+        specs: dict[fx.Node, ShardSpec] = {}
+        for node, value in zip(ctx.view.placeholders, ctx.example_inputs, strict=False):
+            spec = getattr(value, "_boost_tp", None)
+            if spec is not None:
+                specs[node] = spec
+        sentinels = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.boost.tp_sentinel.default]
+        if not specs and not sentinels:
+            report.not_applicable = "the model was not parallelized with parallelize_"
+            return report
+        for s in sentinels:
+            s.replace_all_uses_with(s.args[0])
+            graph.erase_node(s)
+        view = ctx.view
+        stream = set(view.residual_stream)
+        gemms = [(n, sp) for n in graph.nodes if (sp := _gemm_spec(n, specs)) is not None]
+        row = {n: sp for n, sp in gemms if sp.role == "row"}
+        done: set[fx.Node] = set()
+        collectives = 0
+
+        # only btp shards the residual stream (and so the norms' inputs) on d
+        sharded_stream = any(sp.plan == "btp" for sp in specs.values())
+        for site in view.rmsnorms:
+            if not sharded_stream or site.input not in stream:
+                continue
+            users = list(site.output.users)
+            name = site.name
+            report.found.append(f"rmsnorm {name}")
+            if users and all(u in row and u.args[0] is site.output for u in users):
+                for u in users:
+                    _online_rmsnorm(graph, site, u, row[u])
+                    done.add(u)
+                    collectives += 1
+                report.rewritten.append(f"rmsnorm {name} (online, in the GEMM's all-reduce)")
+            else:
+                _stat_all_reduce_rmsnorm(graph, site, _spec_of_site(site, specs, row))
+                collectives += 1
+                report.rewritten.append(f"rmsnorm {name} (own statistic all-reduce)")
+
+        copies: dict[fx.Node, fx.Node] = {}
+        for node, sp in gemms:
+            if node in done:
+                continue
+            report.found.append(node.name)
+            if sp.role == "row":
+                _reduce_after(graph, node, sp)
+                collectives += 1
+            elif sp.role == "col":
+                x = node.args[0]
+                if x not in copies:
+                    with graph.inserting_after(x):
+                        copies[x] = graph.call_function(copy_to_tp, (x, sp.group_name))
+                    copies[x].meta.update(x.meta)
+                    collectives += 1
+                node.replace_input_with(x, copies[x])
+            report.rewritten.append(f"{node.name} ({sp.role})")
+        report.details = {"plan": next(iter(specs.values())).plan if specs else None, "collectives": collectives}
+        graph.eliminate_dead_code()
+        return report
+
+
+def _weight_arg(node: fx.Node) -> Any:
+    if node.target is torch.addmm:
+        return node.args[2]
+    return node.args[1] if len(node.args) > 1 else None
+
+
+def _gemm_spec(node: fx.Node, specs: dict[fx.Node, ShardSpec]) -> ShardSpec | None:
+    if node.op != "call_function" or node.target not in _LINEAR | _MATMUL | {torch.addmm}:
+        return None
+    w = _weight_arg(node)
+    if isinstance(w, fx.Node) and w.op == "call_method" and w.target == "t":
+        w = w.args[0]
+    return _spec_through_cat(w, specs)
+
+
+def _spec_through_cat(w: Any, specs: dict[fx.Node, ShardSpec]) -> ShardSpec | None:
+    if not isinstance(w, fx.Node):
+        return None
+    if w in specs:
+        spec = specs[w]
+        return spec if spec.role in ("row", "col") else None
+    if w.op == "call_function" and w.target is torch.cat:
+        parts = [_spec_through_cat(p, specs) for p in w.args[0]]
+        if parts and all(p is not None for p in parts) and len({p.role for p in parts}) == 1:
+            return parts[0]
+    return None
+
+
+def _spec_of_site(site: RMSNormSite, specs: dict[fx.Node, ShardSpec], row: dict[fx.Node, ShardSpec]) -> ShardSpec:
+    if site.weight is not None and site.weight in specs:
+        return specs[site.weight]
+    return next(iter(specs.values()) if specs else iter(row.values()))
+
+
+def _reduce_after(graph: fx.Graph, node: fx.Node, spec: ShardSpec) -> None:
+    """``reduce_from_tp`` on a row-parallel GEMM's output; a bias is added after the sum."""
+    bias = None
+    if node.target in _LINEAR and len(node.args) > 2 and node.args[2] is not None:
+        bias = node.args[2]
+        node.args = (node.args[0], node.args[1], None)
+    elif node.target is torch.addmm:
+        bias = node.args[0]
+        node.target = torch.mm
+        node.args = (node.args[1], node.args[2])
+    with graph.inserting_after(node):
+        reduced = graph.call_function(reduce_from_tp, (node, spec.group_name))
+    out = reduced
+    if bias is not None:
+        with graph.inserting_after(reduced):
+            out = graph.call_function(operator.add, (reduced, bias))
+    node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
+    reduced.meta.update(node.meta)
+    out.meta.update(node.meta)
+
+
+def _scale_factor(graph: fx.Graph, site: RMSNormSite) -> Any:
+    """``offset + w`` (or None when the norm has no weight)."""
+    if site.weight is None:
+        return None
+    if site.weight_offset:
+        return graph.call_function(operator.add, (site.weight, site.weight_offset))
+    return site.weight
+
+
+def _eps(site: RMSNormSite, x: fx.Node) -> float:
+    if site.eps is not None:
+        return float(site.eps)
+    val = x.meta.get("example_value", x.meta.get("val"))
+    return float(torch.finfo(val.dtype).eps)
+
+
+def _local_sumsq(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    xf = graph.call_method("float", (x,))
+    sq = graph.call_function(operator.mul, (xf, xf))
+    return graph.call_method("sum", (sq, -1), {"keepdim": True})
+
+
+def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: ShardSpec) -> None:
+    x = site.input
+    d_local = x.meta["example_value"].shape[-1]
+    d_full = int(d_local) * spec.world
+    eps = _eps(site, x)
+    with graph.inserting_before(gemm):
+        s_local = _local_sumsq(graph, x)
+        scale = _scale_factor(graph, site)
+        xg = graph.call_function(operator.mul, (x, scale)) if scale is not None else x
+        xg = graph.call_method("type_as", (xg, x))
+        h_local = graph.call_function(gemm.target, (xg, *gemm.args[1:]), dict(gemm.kwargs))
+        packed = graph.call_function(torch.cat, ([graph.call_method("float", (h_local,)), s_local], -1))
+        summed = graph.call_function(reduce_from_tp, (packed, spec.group_name))
+        r = _out_width(gemm)
+        h = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(0, r))))
+        s = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(r, r + 1))))
+        rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
+        out = graph.call_method("type_as", (graph.call_function(operator.mul, (h, rstd)), x))
+    out.meta.update(gemm.meta)
+    gemm.replace_all_uses_with(out)
+    graph.erase_node(gemm)
+
+
+def _out_width(gemm: fx.Node) -> int:
+    """Output width of a GEMM: from its metadata, or (a group's new GEMM) its split sizes."""
+    val = gemm.meta.get("example_value", gemm.meta.get("val"))
+    if val is not None:
+        return int(val.shape[-1])
+    split = next(iter(gemm.users))
+    if split.op == "call_function" and split.target is torch.split:
+        return int(sum(split.args[1]))
+    raise RuntimeError(f"cannot tell the output width of {gemm.name}")
+
+
+def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec) -> None:
+    x = site.input
+    d_full = int(x.meta["example_value"].shape[-1]) * spec.world
+    eps = _eps(site, x)
+    with graph.inserting_before(site.output):
+        s = graph.call_function(reduce_from_tp, (_local_sumsq(graph, x), spec.group_name))
+        rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
+        normed = graph.call_function(operator.mul, (graph.call_method("float", (x,)), rstd))
+        scale = _scale_factor(graph, site)
+        if scale is not None:
+            normed = graph.call_function(operator.mul, (normed, scale))
+        out = graph.call_method("type_as", (normed, x))
+    out.meta.update(site.output.meta)
+    site.output.replace_all_uses_with(out)

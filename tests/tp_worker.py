@@ -1,0 +1,131 @@
+"""Worker for the two-process tensor-parallel tests (gloo on CPU).
+
+Each rank builds the same unsharded reference model and a sharded copy, runs
+steps of AdamW on both, and compares the loss and every gathered gradient and
+parameter with the reference. Rank 0 writes the measured errors to JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import boost_compile as bc
+from boost_compile.backend import Recorder, compile_graph
+from boost_compile.config import BoostConfig
+from boost_compile.models import Llama, LlamaConfig
+
+SEQ, BATCH = 16, 2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def build(kind: str) -> tuple[torch.nn.Module, Any]:
+    """(model, how to call it) for a scenario's model kind."""
+    torch.manual_seed(0)
+    if kind.startswith("hf"):
+        from conftest import tiny_hf_llama
+
+        model = tiny_hf_llama()
+        bc.factorize_(model, bc.FactorizeConfig(rank_ratio=0.25))
+        return model, lambda m, t: m(input_ids=t, labels=t).loss
+    preset, _, kv = kind.partition(":")
+    overrides = {"n_kv_heads": int(kv)} if kv else {}
+    model = Llama(LlamaConfig.preset(preset, **overrides))
+    return model, lambda m, t: m(t, t)
+
+
+def scenario(sc: dict[str, Any]) -> dict[str, Any]:
+    ref, call = build(sc["model"])
+    model = copy.deepcopy(ref)
+    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
+    rec = Recorder()
+    config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager")})
+    compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"loss": []}
+    for _ in range(sc.get("steps", 3)):
+        opt_ref.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        loss_ref = call(ref, tokens)
+        loss_ref.backward()
+        loss = call(compiled, tokens)
+        loss.backward()
+        out["loss"].append(rel(loss.detach(), loss_ref.detach()))
+        grads = bc.gather_full_grads(model)
+        out.setdefault("missing_grads", [n for n, g in grads.items() if g is None])
+        out.setdefault("grad", []).append(
+            max(rel(grads[n], p.grad) for n, p in ref.named_parameters() if grads[n] is not None)
+        )
+        opt_ref.step()
+        opt.step()
+    full = bc.gather_full_state_dict(model)
+    out["param"] = max(rel(full[n], p.detach()) for n, p in ref.named_parameters())
+    out["graphs"] = len(rec.graphs)
+    census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
+    out["collectives"] = {
+        kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
+        for kind in ("forward", "backward")
+    }
+    out["config"] = {k: getattr(getattr(ref, "config", None), k, None) for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp")}
+    return out
+
+
+def bad_inputs() -> dict[str, str]:
+    """Each bad case's error message (or 'no error')."""
+    cases = {
+        "heads": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", n_heads=1, n_kv_heads=1)), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
+        "megatron_on_lowrank": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "megatron"),
+        "btp_on_dense": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny-dense")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
+        "tied": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", tie_embeddings=True)), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
+        "plan_name": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "zigzag"),
+        "not_a_group": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), 2, "btp"),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            out[name] = f"{type(exc).__name__}: {exc}"
+    model = Llama(LlamaConfig.preset("tiny"))
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    bc.parallelize_(model, (tokens,), dist.group.WORLD, "btp")
+    try:
+        model(tokens)
+        out["eager_run"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["eager_run"] = f"{type(exc).__name__}: {exc}"
+    try:
+        torch.compile(model, backend="aot_eager")(tokens)
+        out["other_backend"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["other_backend"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch._dynamo.config.cache_size_limit = 64
+    results: dict[str, Any] = {}
+    for sc in scenarios:
+        key = sc["name"]
+        try:
+            results[key] = bad_inputs() if sc.get("bad_inputs") else scenario(sc)
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[key] = {"error": traceback.format_exc()}
+        torch._dynamo.reset()
+    if rank == 0:
+        with open(result_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
