@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[dev]"
 	touch $(STAMP)
 
+# one intra-op thread: on a shared 2-core machine two OpenMP threads crawl (README)
 train: $(STAMP)
-	$(PY) -m boost_compile.train
+	$(PY) -m boost_compile.train trainer.threads=1
 
 test: $(STAMP)
 	$(PY) -m pytest -q

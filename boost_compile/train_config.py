@@ -1,0 +1,515 @@
+"""The schema of ``boost-train``: one structured config per Hydra group.
+
+``register_configs()`` stores :class:`TrainConfig` in Hydra's ConfigStore as
+``train_schema``; ``hydra_conf/train.yaml`` lists it first in its defaults, so
+every group file (``hydra_conf/model/tiny.yaml``, ...) is merged into a typed
+node and an unknown key or a value of the wrong type fails when the config is
+composed. :func:`validate` then checks what types cannot express (a preset that
+exists, a TP degree that divides the heads, a data path that exists, the pass
+options through ``BoostConfig.from_options``) and raises :class:`ConfigError`
+before any process group, model or data is created.
+
+:func:`config_dir` finds the YAML files: ``hydra_conf/`` next to the package in a
+checkout or an editable install (the source of truth), else the copy that a
+wheel ships inside the package as ``boost_compile/hydra_conf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from boost_compile.config import BoostConfig, ConfigError, FactorizeConfig
+
+BACKENDS = ("boost", "inductor", "aot_eager", "eager", "none")
+PLANS = ("btp", "megatron", "vanilla", "auto")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULES = ("cosine", "linear", "constant")
+DATA_SOURCES = ("stdlib", "text", "hf")
+PROGRESS = ("auto", "bar", "lines", "none")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+BYTE_VOCAB = 256
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass
+class ModelConfig:
+    """``model=``: a reference preset, or a Hugging Face causal LM.
+
+    ``preset``: a name from ``LlamaConfig.presets()`` (``tiny``, ``cola-60m``, ...);
+    ``overrides``: LlamaConfig fields to change (``{dim: 128, n_layers: 4}``).
+    ``hf_path``: a local folder or ``config.json`` of a Hugging Face model (built
+    from its config, randomly initialised unless ``pretrained``); ``hf_config``:
+    an inline Hugging Face config (``{model_type: llama, hidden_size: 64, ...}``).
+    Tokens are bytes, so the vocabulary must hold 256 ids.
+    """
+
+    preset: str | None = "tiny"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    hf_path: str | None = None
+    hf_config: dict[str, Any] | None = None
+    pretrained: bool = False
+
+
+@dataclass
+class FactorizeGroup:
+    """``factorize=``: turn the dense block linears into bottlenecks before training.
+
+    The fields are :class:`boost_compile.FactorizeConfig`'s; ``enabled=false`` is off.
+    """
+
+    enabled: bool = False
+    rank: int | None = None
+    rank_ratio: float | None = None
+    param_ratio: float | None = None
+    init: str = "svd"
+    activation: str | None = None
+
+
+@dataclass
+class ParallelConfig:
+    """``parallel=``: the 2-D mesh, ``dp`` data-parallel x ``tp`` tensor-parallel ranks.
+
+    ``dp * tp`` must equal the number of processes (``torchrun --nproc-per-node``
+    times nodes). ``plan`` is ``parallelize_``'s plan for ``tp > 1``.
+    ``dist_backend``: process-group backend; ``auto`` is nccl on CUDA, gloo on CPU.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    plan: str = "auto"
+    dist_backend: str = "auto"
+
+
+@dataclass
+class PassesConfig:
+    """``passes=``: how the model is compiled.
+
+    ``backend``: ``boost`` (this project), ``inductor`` / ``aot_eager`` / ``eager``
+    (plain torch.compile backends, for comparison), or ``none`` (no torch.compile).
+    ``options``: the ``options=`` dict of the boost backend, checked by
+    ``BoostConfig.from_options`` (``{inner: aot_eager, group: {enabled: false}}``).
+    """
+
+    backend: str = "boost"
+    options: dict[str, Any] = field(default_factory=dict)
+    fullgraph: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """``checkpoint=``: torch.distributed.checkpoint (DCP) folders ``step_000100/``.
+
+    ``dir``: where they go (default: ``<run folder>/checkpoints``); ``keep``: how
+    many to keep; ``on_signal``: save when SIGTERM/SIGINT arrives; ``at_end``:
+    save after the last step; ``resume_from``: the checkpoint ``trainer.resume``
+    loads (a ``step_*`` folder, or a folder of them: the newest complete one);
+    default ``dir``. How often to save is ``trainer.save_every``.
+    """
+
+    enabled: bool = True
+    dir: str | None = None
+    keep: int = 2
+    on_signal: bool = True
+    at_end: bool = True
+    resume_from: str | None = None
+
+
+@dataclass
+class OptimConfig:
+    """``optim=``: AdamW (matrices decayed, norms and biases not), warmup + decay.
+
+    ``warmup_steps``: linear warmup (null: 10% of the steps); then ``schedule``
+    (cosine, linear or constant) from ``lr`` down to ``min_lr_ratio * lr``.
+    ``grad_clip``: global gradient-norm clip (0 = off).
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int | None = None
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """``data=``: a byte-tokenised text stream, packed into windows of ``trainer.seq``.
+
+    ``source``: ``stdlib`` (the installed Python standard library's source, no
+    download), ``text`` (local files: ``paths`` lists files or folders; folders are
+    read recursively for ``pattern``), ``hf`` (``datasets.load_dataset(dataset,
+    subset, split=split)`` offline, column ``text_field``). At most ``max_bytes``
+    are read; the last ``val_fraction`` is held out.
+    """
+
+    source: str = "stdlib"
+    max_bytes: int = 4_000_000
+    val_fraction: float = 0.01
+    paths: list[str] = field(default_factory=list)
+    pattern: str = "*.txt"
+    dataset: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer=``: the loop.
+
+    ``batch`` is the global batch (split over the ``dp`` ranks), ``seq`` the
+    sequence length. ``precision``: fp32, bf16-mixed (autocast) or bf16-true
+    (bf16 weights). ``log_every``/``save_every``/``eval_every`` are in steps
+    (0 = off; the last step always logs and evaluates). ``eval_batches``: val
+    batches per evaluation (null = the whole val split). ``resume``: continue from
+    the newest checkpoint (see ``checkpoint.resume_from``). ``progress``: a tqdm
+    bar when stderr is a terminal (``auto``), else periodic lines. ``threads``:
+    CPU intra-op threads per process (null: PyTorch's default; torchrun sets 1).
+    """
+
+    steps: int = 200
+    batch: int = 16
+    seq: int = 128
+    precision: str = "fp32"
+    seed: int = 0
+    device: str = "auto"
+    threads: int | None = None
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 0
+    eval_batches: int | None = None
+    resume: bool = False
+    progress: str = "auto"
+    plot: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The whole ``boost-train`` config (``train.yaml`` composes one option per group)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    factorize: FactorizeGroup = field(default_factory=FactorizeGroup)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    passes: PassesConfig = field(default_factory=PassesConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+GROUPS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def register_configs() -> None:
+    """Store the schema in Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def config_dir() -> Path:
+    """The folder of ``train.yaml``: the checkout's ``hydra_conf/``, else the packaged copy."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package.parent / "hydra_conf", package / "hydra_conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"no hydra_conf/train.yaml next to {package} (checkout) or inside it (installed wheel)"
+    )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@dataclass
+class ModelShape:
+    """What validation needs to know about a model without building it."""
+
+    kind: str  # "preset" or "hf"
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    dim: int
+    vocab_size: int
+    dense: bool
+    tie_embeddings: bool = False
+    llama_config: Any = None  # LlamaConfig for presets
+    hf_config: Any = None  # transformers PretrainedConfig for hf
+
+
+def to_train_config(cfg: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from a DictConfig (as Hydra gives it), a dict or itself."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, (dict, DictConfig)):
+        raise ConfigError(f"expected a config, got {type(cfg).__name__}")
+    try:
+        if isinstance(cfg, dict) or OmegaConf.get_type(cfg) is not TrainConfig:
+            cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(exc)) from exc
+    assert isinstance(obj, TrainConfig)
+    return obj
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(choices)}")
+
+
+def _positive(name: str, value: int | float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def model_shape(model: ModelConfig, seq: int) -> ModelShape:
+    """Resolve the model's shape from the config alone (no weights are built)."""
+    if model.hf_path and model.hf_config is not None:
+        raise ConfigError("model: give hf_path or hf_config, not both")
+    if model.hf_path or model.hf_config is not None:
+        return _hf_shape(model)
+    if model.preset is None:
+        raise ConfigError("model: give a preset, an hf_path or an hf_config")
+    from boost_compile.models import LlamaConfig
+
+    presets = LlamaConfig.presets()
+    if model.preset not in presets:
+        raise ConfigError(f"unknown preset {model.preset!r}; valid presets: {', '.join(presets)}")
+    base = LlamaConfig.preset(model.preset)
+    overrides = {"vocab_size": BYTE_VOCAB, "max_seq_len": max(seq, base.max_seq_len), **model.overrides}
+    try:
+        config = LlamaConfig.preset(model.preset, **overrides)
+    except ValueError as exc:
+        raise ConfigError(f"model.overrides: {exc}") from exc
+    return ModelShape(
+        kind="preset",
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        ffn_dim=config.ffn_dim,
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        dense=config.projection == "dense",
+        tie_embeddings=config.tie_embeddings,
+        llama_config=config,
+    )
+
+
+def _hf_shape(model: ModelConfig) -> ModelShape:
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("a Hugging Face model needs the `transformers` package; it is not installed")
+    import transformers
+
+    if model.overrides:
+        raise ConfigError("model.overrides applies to presets; put Hugging Face fields in hf_config")
+    if model.hf_path:
+        path = Path(model.hf_path).expanduser()
+        if not path.exists():
+            raise ConfigError(f"model.hf_path={model.hf_path!r} does not exist (a local folder or config.json)")
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.hf_path={model.hf_path!r}: {exc}") from exc
+    else:
+        values = dict(model.hf_config or {})
+        model_type = values.pop("model_type", None)
+        if not model_type:
+            raise ConfigError("model.hf_config needs a model_type (e.g. llama)")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **values)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"model.hf_config: {exc}") from exc
+        if model.pretrained:
+            raise ConfigError("model.pretrained needs weights: give hf_path, not hf_config")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < BYTE_VOCAB:
+        raise ConfigError(f"the Hugging Face model's vocab_size ({vocab}) must be >= {BYTE_VOCAB} (byte tokens)")
+    heads = int(getattr(config, "num_attention_heads", 1))
+    return ModelShape(
+        kind="hf",
+        n_heads=heads,
+        n_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        ffn_dim=int(getattr(config, "intermediate_size", 0) or 0),
+        dim=int(getattr(config, "hidden_size", 0) or 0),
+        vocab_size=vocab,
+        dense=True,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        hf_config=config,
+    )
+
+
+def factorize_config(group: FactorizeGroup) -> FactorizeConfig | None:
+    """The library's FactorizeConfig, or None when the group is off."""
+    if not group.enabled:
+        return None
+    values = {f.name: getattr(group, f.name) for f in dataclasses.fields(group) if f.name != "enabled"}
+    return FactorizeConfig(**values)
+
+
+def boost_options(passes: PassesConfig) -> BoostConfig | None:
+    """The checked BoostConfig for ``backend=boost``; None for other backends."""
+    if passes.backend != "boost":
+        return None
+    try:
+        return BoostConfig.from_options(dict(passes.options))
+    except ConfigError as exc:
+        raise ConfigError(f"passes.options: {exc}") from exc
+
+
+def text_files(data: DataConfig) -> list[Path]:
+    """The files ``data=text`` reads: each path that is a file, and the files matching
+    ``data.pattern`` under each folder (recursively, sorted); ConfigError when none exist."""
+    if not data.paths:
+        raise ConfigError("data=text needs data.paths=[file_or_folder, ...]")
+    missing = [p for p in data.paths if not Path(p).expanduser().exists()]
+    if missing:
+        raise ConfigError(f"data path(s) not found: {', '.join(missing)}")
+    files: list[Path] = []
+    for entry in data.paths:
+        path = Path(entry).expanduser()
+        files.extend([path] if path.is_file() else sorted(p for p in path.rglob(data.pattern) if p.is_file()))
+    if not files:
+        raise ConfigError(f"data=text: no files match {data.pattern!r} under {', '.join(data.paths)}")
+    return files
+
+
+def tp_available() -> bool:
+    import boost_compile
+
+    return hasattr(boost_compile, "parallelize_")
+
+
+def env_world_size() -> int:
+    """Processes started by the launcher (torchrun sets WORLD_SIZE); 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
+    """Check every group; raise :class:`ConfigError` with a message naming the fix.
+
+    ``world_size``: the number of processes that will run the config (default:
+    ``WORLD_SIZE`` from the environment, 1 without torchrun).
+    """
+    tc = to_train_config(cfg)
+    tr, par, opt, data, ck, passes = tc.trainer, tc.parallel, tc.optim, tc.data, tc.checkpoint, tc.passes
+
+    # trainer
+    for name in ("steps", "batch", "seq", "log_every"):
+        _positive(f"trainer.{name}", getattr(tr, name))
+    if tr.threads is not None:
+        _positive("trainer.threads", tr.threads)
+    for name in ("save_every", "eval_every"):
+        _positive(f"trainer.{name}", getattr(tr, name), zero_ok=True)
+    if tr.eval_batches is not None:
+        _positive("trainer.eval_batches", tr.eval_batches, zero_ok=True)
+    _choice("trainer.precision", tr.precision, PRECISIONS)
+    _choice("trainer.device", tr.device, DEVICES)
+    _choice("trainer.progress", tr.progress, PROGRESS)
+    if tr.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+
+    # parallel
+    _positive("parallel.dp", par.dp)
+    _positive("parallel.tp", par.tp)
+    _choice("parallel.plan", par.plan, PLANS)
+    _choice("parallel.dist_backend", par.dist_backend, DIST_BACKENDS)
+    if tr.batch % par.dp:
+        raise ConfigError(f"trainer.batch={tr.batch} (the global batch) must be divisible by parallel.dp={par.dp}")
+
+    # model, factorize, passes
+    shape = model_shape(tc.model, tr.seq)
+    factorize = factorize_config(tc.factorize)
+    if factorize is not None and not shape.dense:
+        raise ConfigError(
+            f"factorize turns dense linears into bottlenecks, but preset {tc.model.preset!r} is already low-rank; "
+            "use a dense model (model=tiny-dense, llama-*, a Hugging Face model) or factorize=none"
+        )
+    _choice("passes.backend", passes.backend, BACKENDS)
+    if passes.backend != "boost" and passes.options:
+        raise ConfigError(f"passes.options configures backend=boost; passes.backend is {passes.backend!r}")
+    boost_options(passes)
+    if par.tp > 1:
+        if not tp_available():
+            raise ConfigError(
+                "tensor parallelism is not available in this build (boost_compile.parallelize_ is missing); "
+                "use parallel.tp=1"
+            )
+        bad = [
+            f"{what} ({value})"
+            for what, value in (("heads", shape.n_heads), ("kv-heads", shape.n_kv_heads), ("ffn", shape.ffn_dim), ("dim", shape.dim))
+            if value % par.tp
+        ]
+        if bad:
+            raise ConfigError(f"parallel.tp={par.tp} must divide the model's {', '.join(bad)}")
+        if par.plan != "vanilla" and passes.backend != "boost":
+            raise ConfigError(
+                f"parallel.plan={par.plan} inserts its collectives in the boost backend; use passes.backend=boost "
+                f"(got {passes.backend!r})"
+            )
+
+    # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
+    world = par.dp * par.tp
+    started = env_world_size() if world_size is None else world_size
+    if world != started:
+        if started == 1:
+            raise ConfigError(
+                f"parallel dp={par.dp} x tp={par.tp} needs {world} processes, but this is a single process; "
+                f"launch with: torchrun --nproc-per-node {world} -m boost_compile.train parallel.dp={par.dp} parallel.tp={par.tp} ..."
+            )
+        raise ConfigError(
+            f"parallel dp={par.dp} x tp={par.tp} = {world} ranks, but {started} processes were started "
+            f"(WORLD_SIZE); make dp * tp equal the number of processes"
+        )
+
+    # optim
+    _positive("optim.lr", opt.lr)
+    _positive("optim.weight_decay", opt.weight_decay, zero_ok=True)
+    _positive("optim.grad_clip", opt.grad_clip, zero_ok=True)
+    _choice("optim.name", opt.name, ("adamw",))
+    _choice("optim.schedule", opt.schedule, SCHEDULES)
+    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(opt.betas)}")
+    if not 0.0 <= opt.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {opt.min_lr_ratio}")
+    if opt.warmup_steps is not None:
+        _positive("optim.warmup_steps", opt.warmup_steps, zero_ok=True)
+
+    # data
+    _choice("data.source", data.source, DATA_SOURCES)
+    _positive("data.max_bytes", data.max_bytes)
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    if data.source == "text":
+        text_files(data)
+    if data.source == "hf":
+        if importlib.util.find_spec("datasets") is None:
+            raise ConfigError(
+                "data=hf needs the `datasets` package (pip install datasets), which is not installed; "
+                "use data=stdlib or data=text"
+            )
+        if not data.dataset:
+            raise ConfigError("data=hf needs data.dataset (a dataset name in the local cache, or a path)")
+
+    # checkpoint
+    _positive("checkpoint.keep", ck.keep)
+    if ck.resume_from is not None and not Path(ck.resume_from).expanduser().exists():
+        raise ConfigError(f"checkpoint.resume_from={ck.resume_from!r} does not exist")
+    return tc, shape
