@@ -33,6 +33,8 @@ SCENARIOS = [
     {"name": "dense-auto", "model": "tiny-dense:4", "plan": "auto", "steps": 1},
     {"name": "hf-factorized-btp", "model": "hf", "plan": "btp"},
     {"name": "cola-btp-inductor", "model": "tiny:4", "plan": "btp", "inner": "inductor", "steps": 1},
+    {"name": "cola-btp-ckpt-lowrank", "model": "tiny:4", "plan": "btp", "checkpoint": "lowrank", "steps": 1},
+    {"name": "cola-btp-ckpt-full", "model": "tiny:4", "plan": "btp", "checkpoint": "full", "steps": 1},
     {"name": "bad", "bad_inputs": True},
 ]
 
@@ -73,6 +75,14 @@ def test_auto_picks_the_plan(results):
     assert ok(results, "cola-auto")["collectives"] == ok(results, "cola-btp")["collectives"]
     fwd = ok(results, "dense-auto")["collectives"]["forward"]
     assert [c["kind"] for c in fwd] == [c["kind"] for c in ok(results, "dense-megatron")["collectives"]["forward"]]
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "full"])
+def test_checkpointing_repeats_no_collective(results, mode):
+    # recompute stops before every all-reduce: backward issues exactly the
+    # collectives it issues without checkpointing
+    ckpt = ok(results, f"cola-btp-ckpt-{mode}")["collectives"]
+    assert ckpt == ok(results, "cola-btp")["collectives"]
 
 
 def reduce_bytes(collectives):
