@@ -574,6 +574,12 @@ def capture_views(
     return views
 
 
+def graph_kind(graph: fx.Graph) -> str:
+    """"backward" for an AOT backward graph (it takes ``tangents_*``), else "forward"."""
+    names = (n.name for n in graph.nodes if n.op == "placeholder")
+    return "backward" if any(name.startswith("tangents") for name in names) else "forward"
+
+
 def count_ops(graph: fx.Graph) -> dict[str, int]:
     """``{op name: count}`` over the call nodes of a graph."""
     counts: dict[str, int] = {}

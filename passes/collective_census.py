@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from boost_compile.analysis import graph_kind
 from boost_compile.pass_manager import AtenPass, PassReport
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
@@ -46,8 +47,7 @@ class CollectiveCensusPass(AtenPass):
         return self.config.op_census
 
     def __call__(self, graph: fx.Graph) -> PassReport:
-        placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
-        kind = "backward" if any(p.startswith("tangents") for p in placeholders) else "forward"
+        kind = graph_kind(graph)
         found = collectives_of(graph)
         report = PassReport(self.name)
         report.details = {"graph": kind, "collectives": found, "total_bytes": sum(c["bytes"] or 0 for c in found)}

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from boost_compile.analysis import count_ops
+from boost_compile.analysis import count_ops, graph_kind
 from boost_compile.pass_manager import AtenPass, PassReport
 
 
@@ -26,8 +26,7 @@ class OpCensusPass(AtenPass):
         return self.config.op_census
 
     def __call__(self, graph: fx.Graph) -> PassReport:
-        placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
-        kind = "backward" if any(p.startswith("tangents") for p in placeholders) else "forward"
+        kind = graph_kind(graph)
         report = PassReport(self.name)
         report.details = {"graph": kind, "op_counts": count_ops(graph)}
         return report

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import tiny_hf_llama
 
 from boost_compile.analysis import GraphView, capture_views, source_to_fqn
 from boost_compile.config import AnalysisConfig
@@ -249,14 +250,7 @@ def test_reference_model_structure(preset):
 
 
 def test_hugging_face_llama_structure():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2,
-        )
-    )
+    model = tiny_hf_llama()
     view = view_of(model, torch.randint(0, 256, (1, 8)))
     n = model.config.num_hidden_layers
     assert {s.form for s in view.rmsnorms} == {"hf_upcast"} and len(view.rmsnorms) == 2 * n + 1

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from conftest import tiny_hf_llama
 
 import boost_compile as bc
 from boost_compile.analysis import capture_views
@@ -143,14 +144,7 @@ def test_factorize_needs_an_input_without_embedding():
 
 
 def test_factorize_hugging_face_llama_then_train_compiled():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2,
-        )
-    )
+    hf = tiny_hf_llama()
     report = bc.factorize_(hf, FactorizeConfig(rank_ratio=0.25))
     assert len(report.layers) == 14 and isinstance(hf.lm_head, nn.Linear)
     compiled_model = copy.deepcopy(hf)
