@@ -139,7 +139,7 @@ class RMSNormSite:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _meta_tensor(node: Any) -> torch.Tensor | None:
+def meta_tensor(node: Any) -> torch.Tensor | None:
     if not isinstance(node, fx.Node):
         return None
     val = node.meta.get("example_value", node.meta.get("val"))
@@ -147,7 +147,7 @@ def _meta_tensor(node: Any) -> torch.Tensor | None:
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
-    t = _meta_tensor(node)
+    t = meta_tensor(node)
     if t is None:
         return None
     try:

@@ -115,6 +115,12 @@ def _stable_repr(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, default=repr)
 
 
+def _source_and_config_hash(p: GraphPass | AtenPass) -> str:
+    """sha256 of the source file that defines the pass and of its config section."""
+    src = inspect.getsource(inspect.getmodule(type(p)))
+    return hashlib.sha256((src + _stable_repr(p.config_section())).encode()).hexdigest()
+
+
 class GraphPass:
     """A Torch-IR pass: ``run(ctx) -> PassReport``, mutating ``ctx.gm`` in place.
 
@@ -136,8 +142,7 @@ class GraphPass:
 
     def uuid(self) -> str:
         """Hash of this pass's source and config (changes when either does)."""
-        src = inspect.getsource(inspect.getmodule(type(self)))
-        return hashlib.sha256((src + _stable_repr(self.config_section())).encode()).hexdigest()
+        return _source_and_config_hash(self)
 
     def config_section(self) -> Any:
         return None
@@ -161,8 +166,7 @@ class AtenPass:
         return None
 
     def uuid(self) -> str:
-        src = inspect.getsource(inspect.getmodule(type(self)))
-        return hashlib.sha256((src + _stable_repr(self.config_section())).encode()).hexdigest()
+        return _source_and_config_hash(self)
 
 
 class AtenPipeline(CustomGraphPass):

@@ -29,9 +29,8 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx as fx
 
-from boost_compile.analysis import RMSNormSite
+from boost_compile.analysis import RMSNormSite, meta_tensor
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
 
@@ -54,13 +53,13 @@ class RMSNormPass(GraphPass):
         graph = ctx.gm.graph
         devices = set(self.config.rmsnorm.devices)
         sites = ctx.view.rmsnorms
-        on = {x.device.type for s in sites if (x := _meta(s.input)) is not None}
+        on = {x.device.type for s in sites if (x := meta_tensor(s.input)) is not None}
         if sites and not on & devices:
             report.not_applicable = f"activations on {sorted(on)}; rmsnorm.devices={sorted(devices)}"
             return report
         for site in sites:
             report.found.append(site.name)
-            x = _meta(site.input)
+            x = meta_tensor(site.input)
             reason = _why_not(site, x, devices)
             if reason is not None:
                 report.skip(site.name, reason)
@@ -80,15 +79,8 @@ class RMSNormPass(GraphPass):
         return report
 
 
-def _meta(node: Any) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    val = node.meta.get("example_value", node.meta.get("val"))
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _why_not(site: RMSNormSite, x: torch.Tensor | None, devices: set[str]) -> str | None:
-    out = _meta(site.output)
+    out = meta_tensor(site.output)
     if x is None or out is None:
         return "no shape/dtype metadata for the input or output"
     if x.device.type not in devices:
@@ -99,7 +91,7 @@ def _why_not(site: RMSNormSite, x: torch.Tensor | None, devices: set[str]) -> st
         shape = site.output.args[1] if len(site.output.args) > 1 else site.output.kwargs.get("normalized_shape")
         if not isinstance(shape, (list, tuple)) or len(shape) != 1:
             return f"normalized_shape {shape} is not the last dimension alone"
-    w = _meta(site.weight)
+    w = meta_tensor(site.weight)
     if site.weight is not None and (w is None or w.dim() != 1 or w.shape[0] != x.shape[-1]):
         return "weight is not a vector over the last dimension"
     return None
