@@ -107,6 +107,9 @@ def _tp_worker(rank: int, world: int, store: str, args: dict[str, Any], out_path
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch._dynamo.config.cache_size_limit = 64
+    # the collective census runs inside the compile: a cache hit would skip it
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
     results = {}
     for label, family, plan in TP_VARIANTS:
         torch.manual_seed(0)

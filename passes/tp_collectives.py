@@ -6,6 +6,11 @@ example inputs are the parameters themselves) and rewrites, on the Dynamo graph:
     y = linear(x, W_row)      ->  y = reduce_from_tp(linear(x, W_row)) [+ b]
     y = linear(x, W_col)      ->  y = linear(copy_to_tp(x), W_col)       (one copy per input)
 
+``copy_to_tp`` (identity forward, all-reduce of the gradient in backward) is
+placed as high as it can go: above the split and SiLU that separate a grouped
+down factor's reduced output from its up factors, so backward, like forward,
+sends one [T, r_q + r_k + r_v] all-reduce per group instead of one per factor.
+
 A weight that is ``cat`` of shards of one role (a group formed by
 ``group_linears``) keeps that role, so a grouped q/k/v down factor needs one
 all-reduce of [T, r_q + r_k + r_v].
@@ -94,7 +99,6 @@ class TPCollectivesPass(GraphPass):
                 collectives += 1
                 report.rewritten.append(f"rmsnorm {name} (own statistic all-reduce)")
 
-        copies: dict[fx.Node, fx.Node] = {}
         for node, sp in gemms:
             if node in done:
                 continue
@@ -102,18 +106,81 @@ class TPCollectivesPass(GraphPass):
             if sp.role == "row":
                 _reduce_after(graph, node, sp)
                 collectives += 1
-            elif sp.role == "col":
-                x = node.args[0]
-                if x not in copies:
-                    with graph.inserting_after(x):
-                        copies[x] = graph.call_function(copy_to_tp, (x, sp.group_name))
-                    copies[x].meta.update(x.meta)
-                    collectives += 1
-                node.replace_input_with(x, copies[x])
             report.rewritten.append(f"{node.name} ({sp.role})")
+
+        # after the reductions exist, so that hoisting sees the final graph
+        col = {n for n, sp in gemms if sp.role == "col"}
+        copies: dict[fx.Node, fx.Node] = {}
+        memo: dict[fx.Node, bool] = {}
+        # every target first: inserting a copy changes the uses that hoisting reads
+        targets = [(node, sp, _hoist_target(node.args[0], col, memo)) for node, sp in gemms if sp.role == "col"]
+        for node, sp, top in targets:
+            x = node.args[0]
+            if top not in copies:
+                with graph.inserting_after(top):
+                    copies[top] = graph.call_function(copy_to_tp, (top, sp.group_name))
+                copies[top].meta.update(top.meta)
+                collectives += 1
+                if top is not x or _feeds_only_col(x, col, memo):
+                    top.replace_all_uses_with(copies[top], delete_user_cb=lambda u, c=copies[top]: u is not c)
+            if top is x:
+                node.replace_input_with(x, copies[top])
         report.details = {"plan": next(iter(specs.values())).plan if specs else None, "collectives": collectives}
         graph.eliminate_dead_code()
         return report
+
+
+#: ops with one tensor input that every rank computes alike on a replicated
+#: input: the backward all-reduce of a column-parallel GEMM's input gradient can
+#: move above them (their vector-Jacobian products are linear in the gradient)
+_HOISTABLE_FUNCTIONS = {
+    operator.getitem, torch.split, torch.chunk, torch.nn.functional.silu, torch.nn.functional.relu,
+    torch.nn.functional.gelu, torch.sigmoid, torch.tanh,
+}
+_HOISTABLE_METHODS = {"view", "reshape", "contiguous", "split", "chunk", "float", "silu", "relu", "sigmoid", "tanh"}
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """Inputs that may be tensors: all but those known to be sizes (SymInts)."""
+    return [n for n in node.all_input_nodes if not isinstance(n.meta.get("example_value"), int | torch.SymInt)]
+
+
+def _hoistable(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _HOISTABLE_FUNCTIONS:
+        return len(_tensor_inputs(node)) == 1
+    if node.op == "call_method" and node.target in _HOISTABLE_METHODS:
+        return len(_tensor_inputs(node)) == 1
+    return False
+
+
+def _feeds_only_col(node: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> bool:
+    """Every use of ``node`` ends, through hoistable ops only, as the input of a column-parallel GEMM."""
+    if node not in memo:
+        memo[node] = bool(node.users) and all(
+            (u in col and u.args[0] is node and node not in u.args[1:])
+            or (_hoistable(u) and _feeds_only_col(u, col, memo))
+            for u in node.users
+        )
+    return memo[node]
+
+
+def _hoist_target(x: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> fx.Node:
+    """Where one ``copy_to_tp`` can serve ``x``: the highest ancestor, through
+    hoistable ops, whose every use feeds column-parallel GEMMs.
+
+    A grouped q/k/v down factor's reduced output is split, passed through SiLU
+    and consumed by three up factors: one backward all-reduce of [T, 3r] at the
+    reduction replaces three of [T, r] at the up factors' inputs. Summing there is
+    exact because each rank's gradient is a partial sum of the column slices and
+    everything in between is replicated and linear in the gradient.
+    """
+    top = x
+    while _hoistable(top):
+        (parent,) = _tensor_inputs(top)
+        if not _feeds_only_col(parent, col, memo):
+            break
+        top = parent
+    return top
 
 
 def _weight_arg(node: fx.Node) -> Any:

@@ -102,9 +102,11 @@ def test_btp_bytes_per_layer(results, name):
     assert sum(c["kind"] == "all_reduce" for c in fwd) == 4 * n
     # the stream is gathered once before the final norm
     assert [c["kind"] for c in fwd if c["kind"] != "all_reduce"] == ["all_gather_into_tensor"]
-    # backward: the up factors' input gradients, the same [T, r] widths
+    # backward: the up factors' input gradients, the same [T, r] widths, summed
+    # once per group above the split (q/k/v, gate/up) and once for o and down
     bwd = r["collectives"]["backward"]
     assert reduce_bytes(bwd) == n * T * (4 * r_attn + 3 * r_mlp) * FP32
+    assert sum(c["kind"] == "all_reduce" for c in bwd) == 4 * n
 
 
 @pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])
