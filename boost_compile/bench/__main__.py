@@ -1,0 +1,5 @@
+import sys
+
+from boost_compile.bench.cli import main
+
+sys.exit(main())

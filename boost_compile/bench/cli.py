@@ -1,0 +1,103 @@
+"""``boost-bench``: side-by-side benchmarks and the report that collects them.
+
+    boost-bench single | tp | memory | scale [options]   one benchmark: prints its table,
+                                                          writes <out>/<name>.json and .png
+    boost-bench tp-analytic                               the bytes-per-layer table only
+    boost-bench all [--out DIR] [--report FILE]           single, tp, memory and scale in turn,
+                                                          then the report
+    boost-bench report [--out DIR] [--report FILE]        rebuild the report from the JSON files
+
+The report is the generated part of ``benchmarks/RESULTS.md``: each table with
+the exact command, commit, machine and date of its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from boost_compile.bench import memory, report, scale, single, tp
+from boost_compile.bench.formulas import analytic_table
+from boost_compile.bench.results import Result, save, stamp
+
+#: name -> (help, add_arguments, run, chart)
+BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Result], Any]] = {
+    "single": ("one device: dense eager / dense Inductor / CoLA Inductor / CoLA boost", single.add_arguments, single.run, single.chart),
+    "tp": ("TP=2 on CPU: dense megatron / CoLA vanilla (DTensor) / CoLA btp", tp.add_arguments, tp.run, tp.chart),
+    "memory": ("activation checkpointing: none / lowrank / full / budget", memory.add_arguments, memory.run, memory.chart),
+    "scale": ("analytic model of GPU clusters beside BOOST.md's published figures", scale.add_arguments, scale.run_result, scale.chart),
+}
+#: what ``all`` runs, in order (each with its defaults)
+ALL = ["scale", "single", "memory", "tp"]
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=report.RESULTS_DIR, help="folder of the JSON and PNG results (default: %(default)s)")
+
+
+def _add_report(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report", default=report.REPORT_PATH, help="the Markdown file to regenerate (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="boost-bench", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_, add_arguments, _run, _chart) in BENCHMARKS.items():
+        p = sub.add_parser(name, help=help_)
+        add_arguments(p)
+        _add_output(p)
+    sub.add_parser("tp-analytic", help="only the analytic bytes-per-layer table")
+    p = sub.add_parser("all", help=f"run {', '.join(ALL)} with their defaults, then regenerate the report")
+    _add_output(p)
+    _add_report(p)
+    p = sub.add_parser("report", help="regenerate the report from the saved JSON results")
+    _add_output(p)
+    _add_report(p)
+    return parser
+
+
+def run_one(name: str, argv: list[str], out: str) -> Result:
+    """Run one benchmark from its command-line arguments; print, save and return its result."""
+    parser = argparse.ArgumentParser(prog=f"boost-bench {name}")
+    BENCHMARKS[name][1](parser)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    result = BENCHMARKS[name][2](args)
+    stamp(result, [name, *argv], time.perf_counter() - start)
+    print(result.markdown(), flush=True)
+    for path in save(result, out, BENCHMARKS[name][3]):
+        print(f"wrote {path}")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.command == "tp-analytic":
+        print(analytic_table())
+    elif args.command in BENCHMARKS:
+        rest = [a for a in argv[1:]]
+        out = args.out
+        # --out is ours, not the benchmark's: take it out of what the benchmark parses
+        if "--out" in rest:
+            i = rest.index("--out")
+            del rest[i : i + 2]
+        rest = [a for a in rest if not a.startswith("--out=")]
+        run_one(args.command, rest, out)
+    elif args.command == "all":
+        start = time.perf_counter()
+        for name in ALL:
+            print(f"== boost-bench {name}", flush=True)
+            run_one(name, [], args.out)
+        print(f"all benchmarks took {time.perf_counter() - start:.0f} s")
+        print(f"wrote {report.write(args.out, args.report)}")
+    else:
+        print(f"wrote {report.write(args.out, args.report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
