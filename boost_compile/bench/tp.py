@@ -1,6 +1,6 @@
 """``boost-bench tp``: TP=2 on CPU (two gloo processes), one run, three variants side by side.
 
-    boost-bench tp [--size 60m] [--seq 1024] [--batch 1] [--repeats 7] [--inner inductor]
+    boost-bench tp [--size 60m] [--seq 1024] [--batch 4] [--repeats 5] [--inner inductor]
 
 The dense model under the megatron plan, the CoLA model under PyTorch's DTensor
 plan ("vanilla", what ``parallelize_module`` with Colwise/RowwiseParallel on each
@@ -8,7 +8,10 @@ factor gives) and the CoLA model under btp, all compiled with the boost backend.
 The three are compiled first, then timed round-robin (one step each, in turn,
 with a barrier around every step), so load on the machine hits them alike.
 Collectives and bytes per step are read from the compiled graphs. The baseline
-of the ratios is each other variant against btp.
+of the ratios is each other variant against btp. The default batch of 4
+sequences is BOOST.md's (section 6); at batch 1 the per-collective latency of
+gloo weighs more (btp issues about twice as many, smaller, collectives as
+megatron).
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ BTP = "CoLA, btp"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="60m", help="tiny, or the suffix of the llama-/cola- presets")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256, help="override the presets' vocabulary (0 keeps it)")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
 
