@@ -19,6 +19,7 @@ ACTIVATIONS = ("silu", "gelu", "relu")
 RMSNORM_DEVICES = ("cuda", "cpu")
 #: ``checkpoint=``: what the backward keeps (passes/checkpoint.py describes each policy).
 CHECKPOINT_MODES = ("none", "lowrank", "full", "budget")
+NORM_STATISTIC_MODES = ("packed", "separate")
 
 
 class ConfigError(ValueError):
@@ -133,9 +134,24 @@ class RMSNormConfig:
 
 @dataclass
 class TPConfig:
-    """Collectives for a model sharded by ``parallelize_`` (applies only to such models)."""
+    """Collectives for a model sharded by ``parallelize_`` (applies only to such models).
+
+    ``norm_statistic``: how btp's online RMSNorm sends its fp32 statistic.
+    ``packed`` (default): in the down factors' all-reduce, one collective per
+    norm+group, the payload in fp32. ``separate``: the payload in the model's
+    dtype and the statistic in a second, [T, 1] fp32 all-reduce; for bf16 models
+    on fast links this halves the bytes of those collectives
+    (``benchmarks/bench_norm_packing.py``).
+    """
 
     enabled: bool = True
+    norm_statistic: str = "packed"
+
+    def __post_init__(self) -> None:
+        if self.norm_statistic not in NORM_STATISTIC_MODES:
+            raise ConfigError(
+                f"tp.norm_statistic={self.norm_statistic!r} is not valid; choose one of {NORM_STATISTIC_MODES}"
+            )
 
 
 @dataclass

@@ -24,8 +24,11 @@ stream and whose output feeds row-parallel GEMMs only becomes
     y  = (H * rsqrt(S / d + eps)).to(x.dtype)
 
 so the statistic travels in the all-reduce the GEMM needs anyway. The pair is
-packed in fp32: for bf16 models the [T, r] part doubles in bytes, which costs
-less than a second, latency-bound collective for the statistic. A norm on a
+packed in fp32: for bf16 models the [T, r] part doubles in bytes. That wins
+where collectives are latency-bound (small T); where they are bandwidth-bound
+(NVLink at 7B shapes the packed pair costs about 1.9x, see
+``benchmarks/bench_norm_packing.py``) ``tp.norm_statistic="separate"`` sends the
+[T, r] part in the model's dtype and the statistic in its own fp32 all-reduce. A norm on a
 sharded input that feeds anything else gets its own all-reduce of the statistic
 (correct, one extra small collective), reported as such.
 
@@ -89,10 +92,11 @@ class TPCollectivesPass(GraphPass):
             name = site.name
             report.found.append(f"rmsnorm {name}")
             if users and all(u in row and u.args[0] is site.output for u in users):
+                separate = self.config.tp.norm_statistic == "separate"
                 for u in users:
-                    _online_rmsnorm(graph, site, u, row[u])
+                    _online_rmsnorm(graph, site, u, row[u], separate)
                     done.add(u)
-                    collectives += 1
+                    collectives += 2 if separate else 1
                 report.rewritten.append(f"rmsnorm {name} (online, in the GEMM's all-reduce)")
             else:
                 _stat_all_reduce_rmsnorm(graph, site, _spec_of_site(site, specs, row))
@@ -260,7 +264,8 @@ def _local_sumsq(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return graph.call_method("sum", (sq, -1), {"keepdim": True})
 
 
-def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: ShardSpec) -> None:
+def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: ShardSpec, separate: bool = False) -> None:
+    """Rewrite norm -> row-parallel GEMM; ``separate``: two all-reduces, the GEMM's in its own dtype."""
     x = site.input
     d_local = x.meta["example_value"].shape[-1]
     d_full = int(d_local) * spec.world
@@ -271,11 +276,15 @@ def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: Sha
         xg = graph.call_function(operator.mul, (x, scale)) if scale is not None else x
         xg = graph.call_method("type_as", (xg, x))
         h_local = graph.call_function(gemm.target, (xg, *gemm.args[1:]), dict(gemm.kwargs))
-        packed = graph.call_function(torch.cat, ([graph.call_method("float", (h_local,)), s_local], -1))
-        summed = graph.call_function(reduce_from_tp, (packed, spec.group_name))
-        r = _out_width(gemm)
-        h = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(0, r))))
-        s = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(r, r + 1))))
+        if separate:
+            h = graph.call_function(reduce_from_tp, (h_local, spec.group_name))
+            s = graph.call_function(reduce_from_tp, (s_local, spec.group_name))
+        else:
+            packed = graph.call_function(torch.cat, ([graph.call_method("float", (h_local,)), s_local], -1))
+            summed = graph.call_function(reduce_from_tp, (packed, spec.group_name))
+            r = _out_width(gemm)
+            h = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(0, r))))
+            s = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(r, r + 1))))
         rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
         out = graph.call_method("type_as", (graph.call_function(operator.mul, (h, rstd)), x))
     out.meta.update(gemm.meta)

@@ -63,6 +63,7 @@ def _field_names() -> list[str]:
 BAD_OPTIONS = [
     pytest.param({"inner": "eager", "bogus": 1}, ["bogus", *_field_names()], id="unknown-key"),
     pytest.param({"inner": "tvm"}, ["tvm", *INNER_COMPILERS], id="bad-inner"),
+    pytest.param({"tp": {"norm_statistic": "fp8"}}, ["tp.norm_statistic", "fp8", "packed", "separate"], id="bad-norm-statistic"),
     pytest.param({"inner": 3}, ["inner", "wrong type", "str"], id="inner-wrong-type"),
     pytest.param({"strict": "yes"}, ["strict", "wrong type", "bool"], id="strict-wrong-type"),
     pytest.param(

@@ -35,6 +35,7 @@ SCENARIOS = [
     {"name": "cola-btp-inductor", "model": "tiny:4", "plan": "btp", "inner": "inductor", "steps": 1},
     {"name": "cola-btp-ckpt-lowrank", "model": "tiny:4", "plan": "btp", "checkpoint": "lowrank", "steps": 1},
     {"name": "cola-btp-ckpt-full", "model": "tiny:4", "plan": "btp", "checkpoint": "full", "steps": 1},
+    {"name": "cola-btp-separate", "model": "tiny:4", "plan": "btp", "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
     {"name": "bad", "bad_inputs": True},
 ]
 
@@ -107,6 +108,18 @@ def test_btp_bytes_per_layer(results, name):
     bwd = r["collectives"]["backward"]
     assert reduce_bytes(bwd) == n * T * (4 * r_attn + 3 * r_mlp) * FP32
     assert sum(c["kind"] == "all_reduce" for c in bwd) == 4 * n
+
+
+def test_btp_separate_norm_statistic(results):
+    """The statistic in its own all-reduce: same bytes in fp32, two more collectives per layer."""
+    r, packed = ok(results, "cola-btp-separate"), ok(results, "cola-btp")
+    n = r["config"]["n_layers"]
+    fwd, fwd_packed = r["collectives"]["forward"], packed["collectives"]["forward"]
+    assert reduce_bytes(fwd) == reduce_bytes(fwd_packed)
+    assert sum(c["kind"] == "all_reduce" for c in fwd) == 6 * n
+    stats = [c for c in fwd if c["kind"] == "all_reduce" and c["bytes"] == T * FP32]
+    assert len(stats) == 2 * n
+    assert r["collectives"]["backward"] == packed["collectives"]["backward"]
 
 
 @pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])

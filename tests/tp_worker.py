@@ -49,7 +49,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
     rec = Recorder()
-    config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none")})
+    config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"), **sc.get("options", {})})
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
