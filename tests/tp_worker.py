@@ -45,6 +45,10 @@ def build(kind: str) -> tuple[torch.nn.Module, Any]:
 
 def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     ref, call = build(sc["model"])
+    dtype = getattr(torch, sc.get("dtype", "float32"))
+    ref.to(dtype)
+    # low precision: the same (rounded) weights in fp32 are the yardstick of both runs' rounding
+    ref32 = copy.deepcopy(ref).float() if dtype != torch.float32 else None
     model = copy.deepcopy(ref)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
@@ -67,6 +71,13 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
         out.setdefault("grad", []).append(
             max(rel(grads[n], p.grad) for n, p in ref.named_parameters() if grads[n] is not None)
         )
+        if ref32 is not None and "fp32_yardstick" not in out:
+            call(ref32, tokens).backward()
+            exact = dict(ref32.named_parameters())
+            out["fp32_yardstick"] = {
+                "tp": max(rel(grads[n], exact[n].grad) for n in exact),
+                "eager": max(rel(p.grad, exact[n].grad) for n, p in ref.named_parameters()),
+            }
         opt_ref.step()
         opt.step()
     full = bc.gather_full_state_dict(model)
