@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test lint explain bench-compile clean
+.PHONY: train test lint explain bench bench-compile clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 
 explain: $(STAMP)
 	$(VENV)/bin/boost-explain --preset tiny --out explain_out
+
+# every boost-bench benchmark (about 8 minutes on 2 cores), then benchmarks/RESULTS.md
+bench: $(STAMP)
+	$(VENV)/bin/boost-bench all
 
 bench-compile: $(STAMP)
 	$(PY) benchmarks/compile_overhead.py
