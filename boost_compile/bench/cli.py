@@ -73,20 +73,26 @@ def run_one(name: str, argv: list[str], out: str) -> Result:
     return result
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """The benchmark's own arguments: ``--out`` belongs to the CLI, not to the benchmark."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            rest.append(a)
+    return rest
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "tp-analytic":
         print(analytic_table())
     elif args.command in BENCHMARKS:
-        rest = [a for a in argv[1:]]
-        out = args.out
-        # --out is ours, not the benchmark's: take it out of what the benchmark parses
-        if "--out" in rest:
-            i = rest.index("--out")
-            del rest[i : i + 2]
-        rest = [a for a in rest if not a.startswith("--out=")]
-        run_one(args.command, rest, out)
+        run_one(args.command, _without_out(argv[1:]), args.out)
     elif args.command == "all":
         start = time.perf_counter()
         for name in ALL:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> Result:
         steps[mode], saved[mode] = compile_mode(copy.deepcopy(base), mode, args, tokens)
     times = timing.round_robin(steps, args.repeats, args.warmup)
     best = {m: min(t) for m, t in times.items()}
-    med = {m: timing.median(t) for m, t in times.items()}
+    med = {m: statistics.median(t) for m, t in times.items()}
 
     def layer_bytes(mode: str) -> float:
         blocks = [b for b in saved[mode] if b != "-"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import statistics
 from typing import Any
 
 import torch
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> Result:
         model = copy.deepcopy(models[family])
         steps[key] = timing.train_step(model, _compile(model, options, args.inner), tokens, clock, args.device)
     times = timing.round_robin(steps, args.repeats, args.warmup)
-    med = {k: timing.median(t) for k, t in times.items()}
+    med = {k: statistics.median(t) for k, t in times.items()}
     before, after = gemms_per_block(models["cola"], tokens)
 
     cfg = {fam: m.config for fam, m in models.items()}

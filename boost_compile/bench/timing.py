@@ -9,7 +9,6 @@ quiet machine or a GPU.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -71,10 +70,6 @@ def round_robin(steps: dict[str, Callable[[], float]], repeats: int, warmup: int
         for name, step in steps.items():
             times[name].append(step())
     return times
-
-
-def median(times: list[float]) -> float:
-    return statistics.median(times)
 
 
 def set_threads(threads: int, clock: str) -> None:

@@ -81,12 +81,12 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
         steps[label], records[label], layers[label] = synced, rec, model.config.n_layers
     times = timing.round_robin(steps, args["repeats"], args["warmup"])
     results = {}
-    for label, _family, plan in VARIANTS:
+    for label, family, plan in VARIANTS:
         census = [r for g in records[label].graphs for r in g.aten_reports if r.name == "collective_census"]
         colls = {k: [c for r in census if r.details["graph"] == k for c in r.details["collectives"]] for k in ("forward", "backward")}
         results[label] = {
             "plan": plan,
-            "preset": presets[_family],
+            "preset": presets[family],
             "step_s": statistics.median(times[label]),
             "times_s": times[label],
             "tokens": args["batch"] * args["seq"],
