@@ -68,6 +68,8 @@ class PassReport:
     def line(self) -> str:
         if self.not_applicable:
             return f"{self.name}: not applicable ({self.not_applicable})"
+        if "summary" in self.details:  # a pass that says what it found in its own words
+            return f"{self.name}: {self.details['summary']}"
         return (
             f"{self.name}: found {len(self.found)}, rewritten {len(self.rewritten)}, "
             f"skipped {len(self.skipped)}"

@@ -1,6 +1,8 @@
 """Graph passes of the boost backend, one per file, in the order they run.
 
 Torch-IR passes (on the Dynamo graph, before the inner compiler):
+  tp_localize     a parallelized model's whole-shape graph -> this rank's program,
+                  every node's shape checked against the unsharded graph
   factorize       dense linear -> bottleneck, for frozen graphs (opt-in)
   group_linears   linears sharing an input -> one GEMM + split
   tp_collectives  collectives of a model sharded by parallelize_ (online RMSNorm)
@@ -24,9 +26,11 @@ from boost_compile.passes.group_linears import GroupLinearsPass
 from boost_compile.passes.op_census import OpCensusPass
 from boost_compile.passes.rmsnorm import RMSNormPass
 from boost_compile.passes.tp_collectives import TPCollectivesPass
+from boost_compile.passes.tp_localize import TPLocalizePass
 
 #: Torch-IR passes, in order.
 GRAPH_PASSES: tuple[type[GraphPass], ...] = (
+    TPLocalizePass,  # first: every later pass sees this rank's shapes
     FactorizePass,
     GroupLinearsPass,
     TPCollectivesPass,

@@ -45,8 +45,9 @@ import torch.fx as fx
 
 from boost_compile.analysis import RMSNormSite
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
-from boost_compile.distributed.parallelize import ShardSpec
+from boost_compile.distributed.parallelize import ParallelizeError, ShardSpec
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
+from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {operator.matmul, torch.matmul, torch.mm}
@@ -77,17 +78,18 @@ class TPCollectivesPass(GraphPass):
             s.replace_all_uses_with(s.args[0])
             graph.erase_node(s)
         view = ctx.view
-        stream = set(view.residual_stream)
         gemms = [(n, sp) for n in graph.nodes if (sp := _gemm_spec(n, specs)) is not None]
         row = {n: sp for n, sp in gemms if sp.role == "row"}
         done: set[fx.Node] = set()
         collectives = 0
 
-        # only btp shards the residual stream (and so the norms' inputs) on d
-        sharded_stream = any(sp.plan == "btp" for sp in specs.values())
+        # the norms whose input tp_localize left sharded on the last dim (btp's stream)
+        sharded_norms = set(ctx.gm.meta.get(SHARDED_NORMS_KEY, ()))
+        fixed: set[fx.Node] = set()
         for site in view.rmsnorms:
-            if not sharded_stream or site.input not in stream:
+            if site.output not in sharded_norms:
                 continue
+            fixed.add(site.output)
             users = list(site.output.users)
             name = site.name
             report.found.append(f"rmsnorm {name}")
@@ -103,6 +105,11 @@ class TPCollectivesPass(GraphPass):
                 collectives += 1
                 report.rewritten.append(f"rmsnorm {name} (own statistic all-reduce)")
 
+        if missed := sharded_norms - fixed:
+            raise ParallelizeError(
+                f"RMSNorm site(s) {sorted(n.name for n in missed)} normalise a sharded input but were not "
+                "found again after the earlier passes; their statistic would be this rank's alone"
+            )
         for node, sp in gemms:
             if node in done:
                 continue

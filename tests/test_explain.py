@@ -60,11 +60,11 @@ def test_explain_shows_rewrites_of_an_enabled_pass():
     text = str(report)
     assert "factorize: found 14, rewritten 14, skipped 0" in text
     stages = [s.name for s in report.graphs[0].stages]
-    assert stages == ["captured", "factorize", "group_linears", "tp_collectives", "rmsnorm"]
+    assert stages == ["captured", "tp_localize", "factorize", "group_linears", "tp_collectives", "rmsnorm"]
     assert report.graphs[0].stages[0].op_counts["linear"] == 15
-    assert report.graphs[0].stages[1].op_counts["linear"] == 29
+    assert report.graphs[0].stages[2].op_counts["linear"] == 29  # after factorize
     # the new down factors of q/k/v and of gate/up share inputs: 3 + 2 -> 2 per block
-    assert report.graphs[0].stages[2].op_counts["linear"] == 29 - 3 * 2
+    assert report.graphs[0].stages[3].op_counts["linear"] == 29 - 3 * 2
     assert "group_linears: found 4, rewritten 4, skipped 0" in text
 
 

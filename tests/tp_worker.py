@@ -19,6 +19,7 @@ import torch.distributed as dist
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
+from boost_compile.explain import Explanation
 from boost_compile.models import Llama, LlamaConfig
 
 SEQ, BATCH = 16, 2
@@ -31,16 +32,31 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def build(kind: str) -> tuple[torch.nn.Module, Any]:
     """(model, how to call it) for a scenario's model kind."""
     torch.manual_seed(0)
+    if kind.startswith("style:"):  # model code written in other styles (tests/style_models.py)
+        from style_models import STYLES
+
+        return STYLES[kind.removeprefix("style:")]()
     if kind.startswith("hf"):
         from conftest import tiny_hf_llama
 
         model = tiny_hf_llama()
         bc.factorize_(model, bc.FactorizeConfig(rank_ratio=0.25))
         return model, lambda m, t: m(input_ids=t, labels=t).loss
-    preset, _, kv = kind.partition(":")
+    preset, _, rest = kind.partition(":")
+    kv, _, extra = rest.partition(":")
     overrides = {"n_kv_heads": int(kv)} if kv else {}
+    if extra == "tied":
+        overrides["tie_embeddings"] = True
     model = Llama(LlamaConfig.preset(preset, **overrides))
     return model, lambda m, t: m(t, t)
+
+
+def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """AdamW divides by sqrt(v), which amplifies the rounding of near-zero gradients into
+    lr-sized weight differences; SGD keeps the two runs within rounding of each other."""
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def scenario(sc: dict[str, Any]) -> dict[str, Any]:
@@ -51,12 +67,11 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     ref32 = copy.deepcopy(ref).float() if dtype != torch.float32 else None
     model = copy.deepcopy(ref)
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
+    report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"), **sc.get("options", {})})
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref, opt = (make_optimizer(sc.get("optim", "adamw"), m.parameters()) for m in (ref, model))
     out: dict[str, Any] = {"loss": []}
     for _ in range(sc.get("steps", 3)):
         opt_ref.zero_grad(set_to_none=True)
@@ -83,6 +98,12 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     full = bc.gather_full_state_dict(model)
     out["param"] = max(rel(full[n], p.detach()) for n, p in ref.named_parameters())
     out["graphs"] = len(rec.graphs)
+    explained = str(Explanation(config, rec.graphs)).splitlines()
+    out["explain_check"] = [line for line in explained if "sharding-consistency check" in line]
+    if report.check is not None:  # btp/megatron: the sharding-consistency check, at parallelize_ and at compile
+        localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
+        out["check"] = {"parallelize": report.check.details, "compile": [r.details for r in localize],
+                        "repairs": report.check.rewritten}
     census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
     out["collectives"] = {
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
@@ -92,13 +113,34 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: what a tiny CoLA Llama's first block does to its d-sharded output, each something btp cannot shard
+STREAM_HOOKS = {
+    "stream_mean": lambda _m, _i, out: out - out.mean(-1, keepdim=True),
+    "stream_view": lambda _m, _i, out: out.view(2, 16, 8, 8).transpose(-1, -2).reshape(2, 16, 64),
+    "stream_gram": lambda _m, _i, out: out + (out @ out.transpose(-1, -2)) @ out,
+    "stream_cumsum": lambda _m, _i, out: torch.cumsum(out, -1),
+}
+
+
+def hooked_llama(hook: str) -> torch.nn.Module:
+    model = Llama(LlamaConfig.preset("tiny"))
+    model.layers[0].register_forward_hook(STREAM_HOOKS[hook])
+    return model
+
+
 def bad_inputs() -> dict[str, str]:
     """Each bad case's error message (or 'no error')."""
+    from style_models import meta_llama
+
+    tokens = torch.zeros(2, 16, dtype=torch.long)
     cases = {
         "heads": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", n_heads=1, n_kv_heads=1)), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
         "megatron_on_lowrank": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "megatron"),
         "btp_on_dense": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny-dense")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
-        "tied": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", tie_embeddings=True)), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
+        "layernorm": lambda: bc.parallelize_(build("style:nanogpt-layernorm-lowrank")[0], (tokens,), dist.group.WORLD, "btp"),
+        **{hook: functools.partial(lambda h: bc.parallelize_(hooked_llama(h), (tokens,), dist.group.WORLD, "btp"), hook)
+           for hook in STREAM_HOOKS},
+        "kv_heads": lambda: bc.parallelize_(meta_llama(n_kv_heads=1, low_rank=True)[0], (tokens,), dist.group.WORLD, "btp"),
         "plan_name": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "zigzag"),
         "not_a_group": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), 2, "btp"),
     }

@@ -6,7 +6,8 @@
 Plans (BOOST.md section 2):
 
 - ``"btp"``: bottleneck-aware. The residual stream is sharded on d (the
-  embedding's columns are sharded, so its output is the local slice); every down
+  embedding's columns are sharded, so its output is the local slice; a tied
+  embedding stays whole and its output is sliced where it enters the stream); every down
   factor is row-parallel (a [T, r] all-reduce follows), every up factor
   column-parallel (identity forward, [T, r] all-reduce of its input gradient);
   attention runs on local heads, the MLP on local d_ff slices; block norms hold
@@ -21,9 +22,13 @@ Plans (BOOST.md section 2):
   PyTorch's DTensor ``parallelize_module``; attention runs unsharded.
 - ``"auto"``: btp when every block linear is in a bottleneck, megatron when none is.
 
-Each rank keeps only its slices, cut from the unsharded weights it had. The
-boost backend reads the shard spec attached to each parameter and inserts the
-collectives; run without it, the model raises (``tp_sentinel``).
+Each rank keeps only its slices, cut from the unsharded weights it had. Under
+``torch.compile`` the model's code still sees every sharded parameter with its
+whole shape (``tp_full_view``), so the captured graph is the unsharded model's
+and everything the code derives from shapes is right; the boost backend's
+``tp_localize`` pass turns it into this rank's program (checking every node's
+shape against the unsharded one) and ``tp_collectives`` inserts the
+collectives. Run without the backend, the model raises (``tp_sentinel``).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from boost_compile.analysis import GraphView, capture_views
-from boost_compile.distributed.collectives import gather_from_tp, tp_sentinel
+from boost_compile.distributed.collectives import tp_full_view, tp_sentinel
 
 log = logging.getLogger("boost_compile")
 
@@ -57,6 +62,9 @@ class ShardSpec:
     ``role``: "row" (a GEMM weight sharded on its input dim: partial outputs),
     "col" (sharded on its output dim), "shard" (any other tensor cut on ``dim``:
     embedding columns, norm weights), "replicate".
+    ``sections``: the whole sizes of the parts a fused weight's output is split
+    into (nanoGPT's ``c_attn`` -> q, k, v); each part is cut separately, so a
+    rank holds ``[q_r | k_r | v_r]``.
     """
 
     role: str
@@ -65,6 +73,7 @@ class ShardSpec:
     world: int
     rank: int
     plan: str
+    sections: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -72,6 +81,8 @@ class TPReport:
     plan: str
     world: int
     specs: dict[str, ShardSpec] = field(default_factory=dict)
+    #: tp_localize's report on the sharded model's capture (nodes checked, repairs)
+    check: Any = None
 
     def __str__(self) -> str:
         roles: dict[str, int] = {}
@@ -95,11 +106,13 @@ def _group_of(tp: Any) -> dist.ProcessGroup:
 
 
 def _config_value(model: nn.Module, *names: str) -> int | None:
-    config = getattr(model, "config", None)
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
+    """A size from the model's config object (``config``: ours and Hugging Face's; ``params``: Meta's)."""
+    for holder in ("config", "params", "args"):
+        config = getattr(model, holder, None)
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                return value
     return None
 
 
@@ -110,16 +123,14 @@ def validate(model: nn.Module, world: int, plan: str) -> None:
     if not dist.is_initialized():
         raise ParallelizeError("torch.distributed is not initialised (call init_process_group first)")
     checks = {
-        "heads": _config_value(model, "n_heads", "num_attention_heads"),
+        "heads": _config_value(model, "n_heads", "num_attention_heads", "n_head"),
         "kv-heads": _config_value(model, "n_kv_heads", "num_key_value_heads"),
-        "d": _config_value(model, "dim", "hidden_size"),
+        "d": _config_value(model, "dim", "hidden_size", "n_embd"),
         "d_ff": _config_value(model, "ffn_dim", "intermediate_size"),
     }
     bad = [f"{k} ({v})" for k, v in checks.items() if v is not None and v % world]
     if bad:
         raise ParallelizeError(f"TP degree {world} must divide {', '.join(bad)}")
-    if plan in ("btp", "auto") and getattr(getattr(model, "config", None), "tie_embeddings", False):
-        raise ParallelizeError("plan btp shards the embedding on d but keeps the head whole; untie them")
 
 
 # ----------------------------------------------------------------------------- roles
@@ -130,12 +141,13 @@ class _Roles:
     """What the graph says each parameter is."""
 
     view: GraphView
-    embedding: str | None
+    embedding: str | None  # the module whose input carries the eager-mode guard
+    shardable_embeddings: list[str]  # weights of embeddings that feed the stream and nothing else
     block_norms: list[str]
-    final_norm: str | None
     chains: list[tuple[str, str, str, str]]  # (down weight, down layout, up weight, up layout)
     dense: list[tuple[str, str, str]]  # (weight, layout, "row"|"col")
     biases: dict[str, str]  # weight -> bias
+    sections: dict[str, tuple[int, ...]]  # column-parallel weight -> whole sizes of its output's split
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
@@ -147,28 +159,67 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
     if not stream:
         raise ParallelizeError("no residual stream found: parallelize_ understands pre-norm residual blocks")
     names = view.param_names
-    source = stream[0]
-    embedding = None
-    if source.op == "call_function" and source.target is torch.nn.functional.embedding:
-        embedding = names.get(source.args[1])
+    # embeddings that reach the stream's start: token and learned position embeddings,
+    # through scaling (Gemma), dropout or their sum; one whose weight is used anywhere
+    # else (a head tied to it) stays whole
+    lookups = [n for n in ({stream[0]} | view.ancestors(stream[0])) if _is_embedding(n) and n.args[1] in names]
+    lookups.sort(key=lambda n: list(view.graph.nodes).index(n))
+    embedding = names[lookups[0].args[1]] if lookups else None
+    shardable = [names[n.args[1]] for n in lookups if len(n.args[1].users) == 1]
     stream_set = set(stream)
     block_norms = [s.param_name for s in view.rmsnorms if s.input in stream_set and s.input is not stream[-1] and s.param_name]
-    final = [s for s in view.rmsnorms if s.input is stream[-1]]
-    final_norm = final[0].param_name if final else None
     in_chain = set()
     chains = []
+    sections: dict[str, tuple[int, ...]] = {}
     for c in view.bottlenecks:
         if not view.in_block(c.down):
             continue
         chains.append((c.down.param_name, c.down.layout, c.up.param_name, c.up.layout))
         in_chain |= {c.down.node, c.up.node}
+        if (parts := _split_sections(c.up.node)) is not None:
+            sections[c.up.param_name] = parts
     dense = []
     for site in view.block_linears:
         if site.node in in_chain:
             continue
-        dense.append((site.param_name, site.layout, "row" if _feeds_stream(site.node, stream_set, view) else "col"))
+        role = "row" if _feeds_stream(site.node, stream_set, view) else "col"
+        dense.append((site.param_name, site.layout, role))
+        if role == "col" and (parts := _split_sections(site.node)) is not None:
+            sections[site.param_name] = parts
     biases = {s.param_name: names[s.bias] for s in view.linears if s.bias is not None and s.bias in names}
-    return _Roles(view, embedding, block_norms, final_norm, chains, dense, biases)
+    return _Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections)
+
+
+def _is_embedding(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.nn.functional.embedding
+
+
+def _split_sections(node: fx.Node) -> tuple[int, ...] | None:
+    """Whole sizes of the parts a GEMM's output is split into on its last dim (fused q/k/v)."""
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    split = users[0]
+    is_split = (split.op == "call_method" and split.target in ("split", "chunk")) or (
+        split.op == "call_function" and split.target in (torch.split, torch.chunk)
+    )
+    if not is_split or split.args[0] is not node:
+        return None
+    out = node.meta.get("example_value")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if out is None or dim not in (-1, out.dim() - 1):
+        return None
+    width = int(out.shape[-1])
+    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections", split.kwargs.get("chunks"))
+    if split.target in ("chunk", torch.chunk):
+        if not isinstance(size, int) or width % size:
+            return None
+        return (width // size,) * size
+    if isinstance(size, int):
+        return (size,) * (width // size) + ((width % size,) if width % size else ())
+    if isinstance(size, (list, tuple)) and all(isinstance(v, int) for v in size):
+        return tuple(size)
+    return None
 
 
 def _feeds_stream(node: fx.Node, stream: set[fx.Node], view: GraphView) -> bool:
@@ -229,53 +280,127 @@ def parallelize_(
     if plan == "vanilla":
         return _vanilla(model, roles, tp, group, world)
 
-    spec = lambda role, dim: ShardSpec(role, dim, group.group_name, world, rank, plan)  # noqa: E731
+    def spec(role: str, dim: int | None, weight: str | None = None) -> ShardSpec:
+        parts = roles.sections.get(weight) if weight is not None else None
+        return ShardSpec(role, dim, group.group_name, world, rank, plan, parts)
+
     specs: dict[str, ShardSpec] = {}
     if plan == "btp":
-        if roles.embedding is None or roles.final_norm is None:
-            raise ParallelizeError("plan btp needs the residual stream to start at an embedding and end in an RMSNorm")
-        specs[roles.embedding] = spec("shard", 1)
+        for name in roles.shardable_embeddings:
+            specs[name] = spec("shard", 1)
         for name in roles.block_norms:
             specs[name] = spec("shard", 0)
         for down, down_layout, up, up_layout in roles.chains:
             specs[down] = spec("row", _gemm_dim(down_layout, "row"))
-            specs[up] = spec("col", _gemm_dim(up_layout, "col"))
+            specs[up] = spec("col", _gemm_dim(up_layout, "col"), up)
             if up in roles.biases:
-                specs[roles.biases[up]] = spec("shard", 0)
+                specs[roles.biases[up]] = spec("shard", 0, up)
             if down in roles.biases:
                 raise ParallelizeError(f"{down}: a bias on a row-parallel down factor is not supported")
     else:  # megatron
         for weight, layout, role in roles.dense:
-            specs[weight] = spec(role, _gemm_dim(layout, role))
+            specs[weight] = spec(role, _gemm_dim(layout, role), weight if role == "col" else None)
             if weight in roles.biases:
-                specs[roles.biases[weight]] = spec("shard", 0) if role == "col" else spec("replicate", None)
+                specs[roles.biases[weight]] = spec("shard", 0, weight) if role == "col" else spec("replicate", None)
 
     params = dict(model.named_parameters())
+    aliases = _aliases(model)
     for name, s in specs.items():
         p = params[name]
         if s.dim is not None:
-            if p.shape[s.dim] % world:
-                raise ParallelizeError(f"{name}: dim {s.dim} of {tuple(p.shape)} is not divisible by {world}")
+            if p.shape[s.dim] % world or any(part % world for part in s.sections or ()):
+                sizes = f" (parts {list(s.sections)})" if s.sections else ""
+                raise ParallelizeError(f"{name}: dim {s.dim} of {tuple(p.shape)}{sizes} is not divisible by {world}")
             with torch.no_grad():
-                p.data = p.data.chunk(world, dim=s.dim)[rank].clone()
-        p._boost_tp = s  # read by the backend's tp_collectives pass
-        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        if s.role == "shard" and isinstance(getattr(owner, "normalized_shape", None), tuple):
-            # nn.RMSNorm checks its width; the statistic's true width is restored by the pass
-            owner.normalized_shape = tuple(p.shape)
+                p.data = shard_tensor(p.data, s.dim, world, rank, s.sections)
+            for alias in aliases[id(p)]:
+                _show_whole(model, alias, s, plan)
+        p._boost_tp = s  # read by the backend's tp_localize and tp_collectives passes
 
-    if plan == "btp":
-        final = model.get_submodule(roles.final_norm.rsplit(".", 1)[0])
-        name, w, r = group.group_name, world, rank
-        final.register_forward_pre_hook(lambda _m, args: (gather_from_tp(args[0], name, w, r), *args[1:]))
     # The guard goes on the embedding when there is one: a hook on a submodule is
     # traced into the model's graph, a hook on the root module would break it.
     guarded = model.get_submodule(roles.embedding.rsplit(".", 1)[0]) if roles.embedding else model
     guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
     model._boost_tp_plan = plan
     report = TPReport(plan, world, specs)
-    log.info("%s", report)
+    report.check = check_local_program(model, example_inputs)
+    log.info("%s; %s", report, report.check.line())
     return report
+
+
+class _Checked(Exception):
+    """Raised by the dry-run backend once the check has passed (nothing is compiled)."""
+
+
+def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
+    """Capture the sharded model on ``example_inputs`` and run ``tp_localize`` on it now.
+
+    A model whose rank program cannot be built (or would not match the unsharded
+    graph's shapes) is refused here, before any step, with the pass's
+    ParallelizeError; otherwise returns the pass's report (nodes checked, repairs).
+    """
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from boost_compile.config import BoostConfig
+    from boost_compile.pass_manager import PassContext
+    from boost_compile.passes.tp_localize import TPLocalizePass
+
+    reports = []
+    config = BoostConfig()
+
+    def dry_run(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        ctx = PassContext(gm, inputs, config, grad_enabled=torch.is_grad_enabled())
+        reports.append(TPLocalizePass(config).run(ctx))
+        raise _Checked
+
+    try:
+        torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
+    except BackendCompilerFailed as exc:
+        if isinstance(exc.inner_exception, ParallelizeError):
+            raise exc.inner_exception from None
+        if not isinstance(exc.inner_exception, _Checked):
+            raise
+    return reports[0]
+
+
+def shard_tensor(t: torch.Tensor, dim: int, world: int, rank: int, sections: Sequence[int] | None = None) -> torch.Tensor:
+    """This rank's slice of ``t`` on ``dim``; with ``sections``, its slice of each part."""
+    if not sections:
+        return t.chunk(world, dim=dim)[rank].clone()
+    return torch.cat([part.chunk(world, dim=dim)[rank] for part in t.split(list(sections), dim=dim)], dim=dim)
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    """Every name under which each parameter is reachable (a tied weight has several)."""
+    out: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), []).append(name)
+    return out
+
+
+def _show_whole(model: nn.Module, name: str, spec: ShardSpec, plan: str) -> None:
+    """Make ``module.<attr>`` read as ``tp_full_view(shard)`` while Dynamo traces.
+
+    The module gets a subclass of its own class with a property for the
+    attribute: under tracing it returns the shard seen with its whole shape; in
+    eager code it returns the shard itself (state-dict and optimizer code that
+    reads attributes keeps working; the forward pass is guarded by the sentinel).
+    """
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    cls = type(owner)
+    if not getattr(cls, "_boost_full_view", False):
+        cls = type(cls.__name__, (cls,), {"_boost_full_view": True, "__module__": cls.__module__})
+        owner.__class__ = cls
+    dim, world = spec.dim, spec.world
+
+    def read(self: nn.Module) -> torch.Tensor:
+        shard = self._parameters[attr]
+        if torch.compiler.is_compiling():
+            return tp_full_view(shard, dim, world, plan)
+        return shard
+
+    setattr(cls, attr, property(read))
 
 
 def _sentinel_hook(plan: str):
@@ -328,7 +453,11 @@ def full_tensor(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     group = dist.distributed_c10d._resolve_process_group(spec.group_name)
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
+    if not spec.sections:
+        return torch.cat(parts, dim=spec.dim)
+    local = [size // spec.world for size in spec.sections]
+    per_rank = [part.split(local, dim=spec.dim) for part in parts]
+    return torch.cat([torch.cat([r[i] for r in per_rank], dim=spec.dim) for i in range(len(local))], dim=spec.dim)
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
