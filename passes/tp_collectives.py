@@ -47,7 +47,7 @@ from boost_compile.analysis import RMSNormSite
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.parallelize import ParallelizeError, ShardSpec
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
-from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY
+from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY, shard_specs
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {operator.matmul, torch.matmul, torch.mm}
@@ -65,11 +65,7 @@ class TPCollectivesPass(GraphPass):
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)
         graph = ctx.gm.graph
-        specs: dict[fx.Node, ShardSpec] = {}
-        for node, value in zip(ctx.view.placeholders, ctx.example_inputs, strict=False):
-            spec = getattr(value, "_boost_tp", None)
-            if spec is not None:
-                specs[node] = spec
+        specs = shard_specs(ctx)
         sentinels = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.boost.tp_sentinel.default]
         if not specs and not sentinels:
             report.not_applicable = "the model was not parallelized with parallelize_"

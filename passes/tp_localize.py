@@ -134,17 +134,22 @@ class TPLocalizePass(GraphPass):
 
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)
-        specs: dict[fx.Node, ShardSpec] = {}
-        placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
-        for node, value in zip(placeholders, ctx.example_inputs, strict=False):
-            spec = getattr(value, "_boost_tp", None)
-            if spec is not None:
-                specs[node] = spec
+        specs = shard_specs(ctx)
         if not specs:
             report.not_applicable = "the model was not parallelized with parallelize_"
             return report
         _Localizer(ctx, specs, report).run()
         return report
+
+
+def shard_specs(ctx: PassContext) -> dict[fx.Node, ShardSpec]:
+    """Placeholder -> the ShardSpec ``parallelize_`` attached to the parameter behind it."""
+    placeholders = [n for n in ctx.gm.graph.nodes if n.op == "placeholder"]
+    return {
+        node: value._boost_tp
+        for node, value in zip(placeholders, ctx.example_inputs, strict=False)
+        if getattr(value, "_boost_tp", None) is not None
+    }
 
 
 class _Localizer:
