@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, lr_multiplier, run, write_sweep_summary
-from boost_compile.train_config import (
+from boost_compile.train.config import (
     GROUPS,
     TrainConfig,
     config_dir,

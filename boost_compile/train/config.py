@@ -220,7 +220,7 @@ def register_configs() -> None:
 
 def config_dir() -> Path:
     """The folder of ``train.yaml``: the checkout's ``hydra_conf/``, else the packaged copy."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # boost_compile/, above boost_compile/train/
     for candidate in (package.parent / "hydra_conf", package / "hydra_conf"):
         if (candidate / "train.yaml").is_file():
             return candidate

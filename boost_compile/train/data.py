@@ -6,6 +6,9 @@ install always yields the same bytes. Tokens are bytes (vocab 256).
 :class:`PackedTokens` cuts the stream into contiguous windows and serves shuffled
 ``(inputs, targets)`` batches, sharded disjointly across data-parallel ranks and
 resumable from a ``state_dict``.
+
+:func:`load_tokens` reads the configured corpus (``data=stdlib``, ``text`` or
+``hf``) and :func:`make_loaders` gives each rank its train and val loaders.
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ import os
 import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from boost_compile.config import ConfigError
+from boost_compile.train.config import DataConfig, TrainConfig, text_files
+
+if TYPE_CHECKING:
+    from boost_compile.train.parallel import Dist
 
 DEFAULT_MAX_BYTES = 4_000_000
 VAL_FRACTION = 0.01
@@ -187,3 +197,81 @@ class PackedTokens:
             )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+# ----------------------------------------------------------------------------- boost-train's data
+
+
+def load_tokens(data: DataConfig) -> torch.Tensor:
+    """The configured text as a 1-D uint8 stream of byte tokens (at most ``max_bytes``)."""
+    if data.source == "stdlib":
+        return stdlib_tokens(data.max_bytes)
+    if data.source == "text":
+        blob = _join_capped((path.read_bytes() for path in text_files(data)), data.max_bytes)
+        where = ", ".join(data.paths)
+    else:
+        blob = _join_capped((text.encode("utf-8") for text in _hf_texts(data)), data.max_bytes)
+        where = f"dataset {data.dataset!r}"
+    if not blob:
+        raise ConfigError(f"data: no text in {where}")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _join_capped(chunks: Iterator[bytes], max_bytes: int) -> bytes:
+    parts: list[bytes] = []
+    total = 0
+    for chunk in chunks:
+        piece = (chunk + b"\n")[: max_bytes - total]
+        parts.append(piece)
+        total += len(piece)
+        if total >= max_bytes:
+            break
+    return b"".join(parts)
+
+
+def _hf_texts(data: DataConfig) -> Iterator[str]:
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(data.dataset, data.subset, split=data.split)
+    except Exception as exc:  # the library raises many types for "not available offline"
+        raise ConfigError(
+            f"data=hf could not load {data.dataset!r} (subset {data.subset!r}, split {data.split!r}) "
+            f"offline: {exc}"
+        ) from exc
+    if data.text_field not in dataset.column_names:
+        raise ConfigError(
+            f"data.text_field={data.text_field!r} is not a column of {data.dataset!r}; "
+            f"columns: {dataset.column_names}"
+        )
+    for row in dataset:
+        text = row[data.text_field]
+        if text:
+            yield text
+
+
+def make_loaders(tc: TrainConfig, tokens: torch.Tensor, dev: Dist) -> tuple[PackedTokens, PackedTokens]:
+    """Train and val batches of this rank's disjoint shard (the global batch split over dp)."""
+    tr = tc.trainer
+    train_tokens, val_tokens = split(tokens, tc.data.val_fraction)
+    local_batch = tr.batch // dev.dp
+    val_windows = (len(val_tokens) - 1) // tr.seq // dev.dp
+    try:
+        train = PackedTokens(
+            train_tokens, local_batch, tr.seq, seed=tr.seed, rank=dev.dp_rank, world_size=dev.dp
+        )
+        val = PackedTokens(
+            val_tokens,
+            max(1, min(local_batch, val_windows)),
+            tr.seq,
+            shuffle=False,
+            rank=dev.dp_rank,
+            world_size=dev.dp,
+        )
+    except ValueError as exc:
+        raise ConfigError(
+            f"data: {exc}; read more text (data.max_bytes={tc.data.max_bytes}) or use a smaller "
+            f"trainer.batch / trainer.seq"
+        ) from exc
+    return train, val

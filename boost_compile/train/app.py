@@ -1,0 +1,168 @@
+"""``boost-train``, the Hydra app: :func:`main`, the run it starts (:func:`run`,
+which validates the config before anything else exists) and the summary a sweep
+ends with (:class:`SweepSummary`: ``summary.csv`` and ``summary.md``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from boost_compile.config import ConfigError
+from boost_compile.train.checkpoint import resume_source
+from boost_compile.train.config import config_dir, env_world_size, register_configs, validate
+from boost_compile.train.loop import Trainer
+from boost_compile.train.metrics import SUMMARY_FILE, read_summary
+from boost_compile.train.parallel import setup_distributed
+
+log = logging.getLogger("boost_compile.train")
+
+SUMMARY_COLUMNS = (
+    "job",
+    "config",
+    "status",
+    "steps",
+    "final_loss",
+    "val_loss",
+    "tokens_per_s",
+    "peak_mem_mib",
+    "total_s",
+)
+
+
+# ----------------------------------------------------------------------------- a run
+
+
+def run(cfg: Any, run_dir: str | Path, *, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Train as ``cfg`` says, writing into ``run_dir``; returns the summary (every rank).
+
+    Everything is validated first (:func:`validate`), before the process group,
+    the data or the model exists.
+    """
+    tc, shape = validate(cfg)
+    run_dir = Path(run_dir).resolve()
+    resume_from = resume_source(tc, run_dir)
+    dev = setup_distributed(tc)
+    own_dir = run_dir
+    run_dir = Path(dev.broadcast(str(run_dir)))  # all ranks write where rank 0 does
+    if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
+        own_dir.rmdir()  # a worker's Hydra folder that got a later timestamp
+    if dev.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if tc.trainer.threads is not None:
+        torch.set_num_threads(tc.trainer.threads)
+    try:
+        return Trainer(tc, shape, dev, run_dir, list(overrides), resume_from).fit()
+    finally:
+        torch.set_num_threads(threads)  # a multirun's next job (or the caller) gets its own
+
+
+# ----------------------------------------------------------------------------- sweeps
+
+
+def summary_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per job folder of a sweep that wrote ``summary.json``, in job order."""
+    rows = []
+    for path in sweep_dir.glob(f"*/{SUMMARY_FILE}"):
+        data = read_summary(path)
+        job = path.parent.name
+        rows.append({"job": job, **{k: data.get(k) for k in SUMMARY_COLUMNS if k != "job"}})
+
+    def order(row: dict[str, Any]) -> tuple[int, str]:
+        return (int(row["job"]) if str(row["job"]).isdigit() else 1 << 30, str(row["job"]))
+
+    return sorted(rows, key=order)
+
+
+_FORMATS = {"final_loss": "{:.4f}", "val_loss": "{:.4f}", "tokens_per_s": "{:,.0f}", "peak_mem_mib": "{:,.0f}", "total_s": "{:.1f}"}
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if key in _FORMATS and isinstance(value, (int, float)):
+        return _FORMATS[key].format(value)
+    return str(value).replace("|", "\\|")
+
+
+def write_sweep_summary(sweep_dir: str | Path) -> str:
+    """Write ``summary.csv`` and ``summary.md`` for a sweep; returns the markdown table."""
+    sweep_dir = Path(sweep_dir)
+    rows = summary_rows(sweep_dir)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    (sweep_dir / "summary.csv").write_text(buffer.getvalue())
+    header = ["job", "config", "status", "steps", "final loss", "val loss", "tokens/s", "peak mem (MiB)", "time (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(k, row[k]) for k in SUMMARY_COLUMNS) + " |")
+    table = "\n".join(lines) + "\n"
+    (sweep_dir / "summary.md").write_text(f"# sweep {sweep_dir}\n\n{table}")
+    return table
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra-core is a dependency
+    _HydraCallback = object  # type: ignore[assignment,misc]
+
+
+class SweepSummary(_HydraCallback):
+    """Hydra callback: after a ``-m`` sweep, tabulate every job (CSV and markdown)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+        table = write_sweep_summary(sweep_dir)
+        log.info("sweep summary (%s):\n%s", sweep_dir / "summary.md", table)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _task(cfg: Any) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        result = run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
+    except ConfigError as exc:
+        print(f"boost-train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if result["status"] == "stopped":
+        raise SystemExit(128 + int(signal.Signals[result["signal"]]))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``boost-train [overrides] [-m]``: the Hydra app (argv defaults to ``sys.argv[1:]``)."""
+    import hydra
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    register_configs()
+    if env_world_size() > 1 and int(os.environ.get("RANK", "0")) > 0:
+        # only rank 0 writes the run folder's config and log; the others print warnings
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=boost_worker"]
+    app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(_task)
+    try:
+        app()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

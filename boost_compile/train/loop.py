@@ -1,0 +1,324 @@
+"""The training loop: one :class:`Trainer` per run.
+
+:meth:`Trainer.fit` sets the run up (data, the model through
+:func:`~boost_compile.train.parallel.build_model_parts`, optimizer, checkpoint,
+resume), makes the step function (:func:`make_train_step`: forward, backward,
+gradient clipping, optimizer and schedule) and hands it to :meth:`Trainer.train`,
+which times steps, logs them, evaluates, checkpoints and stops on a signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
+from boost_compile.train.config import ModelShape, TrainConfig, boost_options
+from boost_compile.train.data import PackedTokens, load_tokens, make_loaders
+from boost_compile.train.metrics import (
+    METRICS_FILE,
+    PLOT_FILE,
+    SUMMARY_FILE,
+    JsonlWriter,
+    PeakMemory,
+    Progress,
+    plot_losses,
+    write_summary,
+)
+from boost_compile.train.optim import make_optimizer
+from boost_compile.train.parallel import (
+    Dist,
+    ModelParts,
+    build_model_parts,
+    global_numel,
+    is_dtensor,
+)
+
+log = logging.getLogger("boost_compile.train")
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepOutput:
+    """What one training step reports."""
+
+    loss: float  # averaged over dp
+    lr: float  # the learning rate the step used
+    grad_norm: float | None = None  # before clipping; None without optim.grad_clip
+
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
+    """Clip the global gradient norm; with tp, shards of a parameter count once."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if dev.tp == 1:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    sharded = torch.zeros((), device=dev.device, dtype=torch.float32)
+    whole = torch.zeros((), device=dev.device, dtype=torch.float32)
+    for p in params:
+        g = p.grad
+        if is_dtensor(g):
+            whole += torch.linalg.vector_norm(g.float()).full_tensor() ** 2
+            continue
+        spec = getattr(p, "_boost_tp", None)
+        sq = g.detach().float().pow(2).sum()
+        if spec is not None and spec.dim is not None:
+            sharded += sq
+        else:
+            whole += sq
+    dist.all_reduce(sharded, group=dev.group("tp"))
+    total = (sharded + whole).sqrt()
+    coef = max_norm / (float(total) + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return float(total)
+
+
+def make_train_step(
+    parts: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    grad_clip: float,
+    dev: Dist,
+    autocast: Callable[[], Any],
+) -> StepFn:
+    """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule."""
+    model, train_fn = parts.model, parts.train_fn
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        with autocast():
+            loss = train_fn(inputs, targets)
+        loss.backward()
+        grad_norm = clip_grad_norm(model, grad_clip, dev) if grad_clip > 0 else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        return StepOutput(loss=float(dev.mean_over_dp(loss.detach().float())), lr=lr, grad_norm=grad_norm)
+
+    return step
+
+
+@torch.no_grad()
+def evaluate(forward: nn.Module, data: PackedTokens, n_batches: int | None, dev: Dist, autocast: Any) -> float:
+    """Mean loss over this rank's first ``n_batches`` val batches, averaged over dp."""
+    count = len(data) if n_batches is None else min(n_batches, len(data))
+    total = torch.zeros((), device=dev.device)
+    for index in range(count):
+        inputs, targets = data.batch(0, index)
+        with autocast():
+            total += forward(inputs.to(dev.device), targets.to(dev.device)).float()
+    return float(dev.mean_over_dp(total / max(1, count)))
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class Trainer:
+    """One run of ``boost-train`` on this rank: :meth:`fit` returns its summary."""
+
+    def __init__(
+        self,
+        tc: TrainConfig,
+        shape: ModelShape,
+        dev: Dist,
+        run_dir: Path,
+        overrides: list[str],
+        resume_from: Path | None,
+    ) -> None:
+        self.tc, self.shape, self.dev, self.run_dir = tc, shape, dev, run_dir
+        self.overrides = overrides
+        self.resume_from = resume_from
+        self.label = " ".join(overrides) if overrides else "defaults"
+        self.title = self.label
+        # set by _bind, once the model's parameters are final
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.ckpt: Checkpointer | None = None
+        self.start = 0  # the step a resumed checkpoint was saved after
+
+    def autocast(self) -> Any:
+        if self.tc.trainer.precision == "bf16-mixed":
+            return torch.autocast(self.dev.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def fit(self) -> dict[str, Any]:
+        """Set up the data, the model, the optimizer and the checkpoint (resumed), then train."""
+        tc, dev, tr = self.tc, self.dev, self.tc.trainer
+        torch.manual_seed(tr.seed)
+        random.seed(tr.seed)
+        train_data, val_data = make_loaders(tc, load_tokens(tc.data), dev)
+        example = train_data.batch(0, 0)[0].to(dev.device) if dev.tp > 1 else None
+        parts = build_model_parts(
+            tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data)
+        )
+        assert self.optimizer is not None
+        self._describe(parts.model)
+        step = make_train_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
+        return self.train(step, train_data, val_data, parts.eval_fn)
+
+    def _bind(self, model: nn.Module, data: PackedTokens) -> None:
+        """Optimizer, schedule and checkpointer over ``model``; restore them when resuming."""
+        tc = self.tc
+        self.optimizer, self.scheduler = make_optimizer(model, tc.optim, tc.trainer.steps)
+        ckpt_dir = checkpoint_dir(tc.checkpoint, self.run_dir)
+        self.ckpt = Checkpointer(tc.checkpoint, ckpt_dir, self.dev, model, self.optimizer, self.scheduler, data)
+        if self.resume_from is not None:
+            self.start = self.ckpt.load(self.resume_from)
+            log.info("resumed from %s (step %d)", self.resume_from, self.start)
+
+    def _describe(self, model: nn.Module) -> None:
+        tc, dev, tr = self.tc, self.dev, self.tc.trainer
+        params = sum(global_numel(p, dev) for p in model.parameters())
+        boost = boost_options(tc.passes)
+        backend = tc.passes.backend + (f"(inner={boost.inner})" if boost is not None else "")
+        model_name = tc.model.preset if self.shape.kind == "preset" else f"hf:{self.shape.hf_config.model_type}"
+        self.title = f"{model_name}, {backend}, dp={dev.dp} tp={dev.tp}: {self.label}"
+        log.info(
+            "model=%s params=%s backend=%s device=%s dp=%d tp=%d batch=%d seq=%d steps=%d precision=%s threads=%d",
+            model_name, f"{params:,}", backend, dev.device, dev.dp, dev.tp, tr.batch, tr.seq, tr.steps,
+            tr.precision, torch.get_num_threads(),
+        )
+        log.info("run folder: %s", self.run_dir)
+
+    def train(self, step_fn: StepFn, train_data: PackedTokens, val_data: PackedTokens, eval_fn: nn.Module) -> dict[str, Any]:
+        """Steps ``self.start + 1 .. trainer.steps`` of ``step_fn``, with evaluation and checkpoints."""
+        tc, dev, tr = self.tc, self.dev, self.tc.trainer
+        assert self.ckpt is not None
+        ckpt, start = self.ckpt, self.start
+        metrics = JsonlWriter(self.run_dir / METRICS_FILE, enabled=dev.is_main)
+        progress = Progress(tr.progress, tr.steps, start, tr.log_every, tr.batch * tr.seq, dev.is_main)
+        tokens_per_step = tr.batch * tr.seq
+        history: list[tuple[int, float]] = []
+        val_loss: float | None = None
+        first_step_s = steady_s = 0.0
+        status = "completed"
+        stopper = StopOnSignal(tc.checkpoint.on_signal)
+        begin = time.perf_counter()
+        try:
+            with stopper, PeakMemory(dev.device) as memory:
+                last = time.perf_counter()
+                for step in range(start + 1, tr.steps + 1):
+                    inputs, targets = next(train_data)
+                    out = step_fn(inputs.to(dev.device), targets.to(dev.device))
+                    now = time.perf_counter()
+                    step_s, last = now - last, now
+                    first = step == start + 1
+                    if first:
+                        first_step_s = step_s
+                    else:
+                        steady_s += step_s
+                    history.append((step, out.loss))
+                    rate = tokens_per_step / max(step_s, 1e-9)
+                    row = {"step": step, "loss": out.loss, "lr": out.lr, "tokens": step * tokens_per_step,
+                           "tokens_per_s": rate, "step_s": step_s, "time_s": now - begin}
+                    if out.grad_norm is not None:
+                        row["grad_norm"] = out.grad_norm
+                    metrics.write(row)
+                    progress.step(step, out.loss, out.lr, step_s, first)
+                    if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
+                        val_loss = self._evaluate(eval_fn, val_data, step, metrics, progress)
+                    stop = dev.any(stopper.signum is not None)
+                    saving = tc.checkpoint.enabled and (
+                        (tr.save_every and step % tr.save_every == 0)
+                        or (stop and tc.checkpoint.on_signal)
+                        or (step == tr.steps and tc.checkpoint.at_end)
+                    )
+                    if saving:
+                        path = ckpt.save(step)
+                        progress.message(f"checkpoint: {path}")
+                    if stop:
+                        status = "stopped"
+                        break
+                    last = time.perf_counter()  # evaluation and saving are not step time
+                if status == "completed" and history:
+                    val_loss = self._evaluate(eval_fn, val_data, history[-1][0], metrics, progress)
+        finally:
+            progress.close()
+            metrics.close()
+        total_s = time.perf_counter() - begin
+        return self._finish(history, val_loss, first_step_s, steady_s, total_s, memory.mib, status, stopper.signum, ckpt)
+
+    def _evaluate(self, eval_fn: nn.Module, data: PackedTokens, step: int, metrics: JsonlWriter, progress: Progress) -> float:
+        was_training = eval_fn.training
+        eval_fn.eval()
+        try:
+            value = evaluate(eval_fn, data, self.tc.trainer.eval_batches, self.dev, self.autocast)
+        finally:
+            eval_fn.train(was_training)
+        metrics.write({"step": step, "val_loss": value})
+        progress.message(f"step {step:4d} val loss {value:.3f}")
+        return value
+
+    def _finish(
+        self,
+        history: list[tuple[int, float]],
+        val_loss: float | None,
+        first_step_s: float,
+        steady_s: float,
+        total_s: float,
+        peak_mib: float,
+        status: str,
+        signum: int | None,
+        ckpt: Checkpointer,
+    ) -> dict[str, Any]:
+        tr, dev = self.tc.trainer, self.dev
+        n = len(history)
+        tokens_per_s = (n - 1) * tr.batch * tr.seq / steady_s if n > 1 and steady_s > 0 else 0.0
+        peak = torch.tensor([peak_mib], dtype=torch.float64)
+        if dev.world > 1 and dev.device.type == "cpu":
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        result: dict[str, Any] = {
+            "status": status,
+            "signal": signal.Signals(signum).name if signum is not None else None,
+            "config": self.label,
+            "overrides": self.overrides,
+            "run_dir": str(self.run_dir),
+            "steps": history[-1][0] if history else 0,
+            "start_step": history[0][0] - 1 if history else 0,
+            "first_loss": history[0][1] if history else None,
+            "final_loss": history[-1][1] if history else None,
+            "val_loss": val_loss,
+            "losses": [loss for _, loss in history],
+            "tokens_per_s": tokens_per_s,
+            "peak_mem_mib": float(peak.item()),
+            "first_step_s": first_step_s,
+            "total_s": total_s,
+            "world": dev.world,
+            "checkpoint": str(ckpt.dir / f"step_{ckpt.last_saved:06d}") if ckpt.last_saved else None,
+        }
+        if dev.is_main:
+            write_summary(self.run_dir / SUMMARY_FILE, result)
+            if tr.plot and history:
+                plot_losses(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE, f"{self.title} ({status})")
+            if status == "stopped":
+                log.warning(
+                    "stopped by %s after step %d; checkpoint %s; continue with trainer.resume=true hydra.run.dir=%s",
+                    result["signal"], result["steps"], result["checkpoint"], self.run_dir,
+                )
+            if history:
+                val = f" (val {val_loss:.2f})" if val_loss is not None else ""
+                log.info(
+                    "done: steps=%d loss %.2f -> %.2f%s tokens/s=%s peak_mem=%.0fMiB first_step=%.1fs total=%.1fs run=%s",
+                    result["steps"], history[0][1], history[-1][1], val, f"{tokens_per_s:,.0f}", result["peak_mem_mib"],
+                    first_step_s, total_s, self.run_dir,
+                )
+            else:
+                log.info("done: nothing to do, the checkpoint is at or past trainer.steps=%d", tr.steps)
+        return result

@@ -1,0 +1,206 @@
+"""Processes, the device mesh, and the model as each rank runs it.
+
+``torchrun`` starts ``dp * tp`` processes; :func:`setup_distributed` joins them
+and :func:`build_mesh` lays them out as the DeviceMesh ``(dp, tp)`` (the one
+place the mesh's shape is decided). :func:`build_model_parts` is the whole
+sequence from config to a trainable model: build (and factorize), shard over
+``tp`` with ``boost_compile.parallelize_``, cast, compile, and wrap in DDP over
+``dp`` (README: why DDP).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from boost_compile.config import ConfigError
+from boost_compile.train.config import ModelShape, TrainConfig, env_world_size
+from boost_compile.train.model import build_model
+
+log = logging.getLogger("boost_compile.train")
+
+MESH_DIMS = ("dp", "tp")
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Dist:
+    """This process's place in the ``(dp, tp)`` mesh."""
+
+    world: int
+    rank: int
+    dp: int
+    tp: int
+    device: torch.device
+    mesh: Any = None  # DeviceMesh when world > 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def group(self, dim: str) -> Any:
+        return None if self.mesh is None else self.mesh[dim].get_group()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank."""
+        if self.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.dp == 1:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.group("dp"))
+        return value / self.dp
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is true on one of them."""
+        if self.world == 1:
+            return flag
+        box = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return bool(box.item())
+
+
+def build_mesh(device: torch.device, dp: int, tp: int) -> Any:
+    """The DeviceMesh over every process: ``dp`` replicas of ``tp`` consecutive ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+
+
+def setup_distributed(tc: TrainConfig) -> Dist:
+    """Join the process group torchrun set up (if any) and build the (dp, tp) mesh."""
+    par = tc.parallel
+    world = env_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    want = tc.trainer.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    mesh = None
+    if world > 1:
+        if not dist.is_initialized():
+            backend = par.dist_backend if par.dist_backend != "auto" else ("nccl" if use_cuda else "gloo")
+            dist.init_process_group(backend, device_id=device if use_cuda else None)
+        mesh = build_mesh(device, par.dp, par.tp)
+    return Dist(world=world, rank=rank, dp=par.dp, tp=par.tp, device=device, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def global_numel(p: torch.Tensor, dev: Dist) -> int:
+    """Elements of the whole parameter, whether or not this rank holds only a TP shard."""
+    spec = getattr(p, "_boost_tp", None)
+    if not is_dtensor(p) and spec is not None and spec.dim is not None:
+        return p.numel() * dev.tp
+    return p.numel()
+
+
+# ----------------------------------------------------------------------------- the model, parallel
+
+
+def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Tensor) -> None:
+    """Shard ``model`` over the tp dimension with ``boost_compile.parallelize_``."""
+    import boost_compile
+
+    if not hasattr(boost_compile, "parallelize_"):  # validate() said so already; belt and braces
+        raise ConfigError("tensor parallelism is not available in this build (no boost_compile.parallelize_)")
+    report = boost_compile.parallelize_(model, (example,), dev.mesh["tp"], plan=tc.parallel.plan)
+    log.info("%s", report)
+
+
+def compile_model(model: nn.Module, tc: TrainConfig) -> nn.Module:
+    passes = tc.passes
+    if passes.backend == "none":
+        return model
+    if passes.backend == "boost":
+        return torch.compile(model, backend="boost", options=dict(passes.options), fullgraph=passes.fullgraph)
+    return torch.compile(model, backend=passes.backend, fullgraph=passes.fullgraph)
+
+
+def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Module:
+    """DDP over the dp dimension around the compiled module (one graph, grads averaged)."""
+    if dev.dp == 1:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if any(is_dtensor(p) for p in model.parameters()):
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(model)
+    return DDP(
+        module,
+        process_group=dev.group("dp"),
+        broadcast_buffers=False,
+        device_ids=[dev.device.index] if dev.device.type == "cuda" else None,
+    )
+
+
+@dataclass
+class ModelParts:
+    """The model three ways: its parameters, what a training step calls, what evaluation calls."""
+
+    model: nn.Module  # the parameters: the optimizer, checkpoints and gradient clipping use these
+    train_fn: nn.Module  # compiled, in DDP when dp > 1
+    eval_fn: nn.Module  # compiled with tp (a TP model runs only through the backend), else eager
+
+
+def build_model_parts(
+    tc: TrainConfig,
+    shape: ModelShape,
+    dev: Dist,
+    example: torch.Tensor | None = None,
+    *,
+    before_compile: Callable[[nn.Module], None] | None = None,
+) -> ModelParts:
+    """Build the model, shard it over tp, cast it, compile it and wrap it for dp.
+
+    ``example``: a batch of this rank's inputs (on ``dev.device``), which
+    ``parallelize_`` traces; needed when ``dev.tp > 1``. ``before_compile`` is
+    called with the model once its parameters are final (sharded, cast) and
+    before compilation and DDP: the optimizer and a resumed checkpoint bind
+    the parameters there, as DDP's DTensor transform replaces them.
+    """
+    model = build_model(tc, shape, dev.device)
+    if dev.tp > 1:
+        if example is None:
+            raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
+        parallelize(model, tc, dev, example)
+    if tc.trainer.precision == "bf16-true":
+        model.to(torch.bfloat16)
+    if before_compile is not None:
+        before_compile(model)
+    compiled = compile_model(model, tc)
+    train_fn = wrap_data_parallel(compiled, model, dev)
+    eval_fn = compiled if dev.tp > 1 else model  # a TP model runs only through the backend
+    return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn)
