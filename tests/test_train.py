@@ -121,6 +121,7 @@ def test_schema_rejects_unknown_keys_and_types():
         (["data=text", "data.paths=[/no/such/corpus.txt]"], r"data path\(s\) not found: /no/such/corpus.txt"),
         (["data=text"], r"data=text needs data.paths"),
         (["parallel=dp2"], r"needs 2 processes, but this is a single process; launch with: torchrun"),
+        (["parallel=tp2dp2", "parallel.plan=vanilla"], r"parallel.plan=vanilla \(DTensor parameters\) supports parallel.dp=1 only"),
         (["+passes.options.grop.enabled=false"], r"passes.options: unknown key\(s\) \['grop'\]"),
         (["passes.options.inner=tvm"], r"inner='tvm' is not a valid inner compiler"),
         (["passes=inductor", "+passes.options.inner=eager"], r"passes.options configures backend=boost"),

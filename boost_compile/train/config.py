@@ -464,6 +464,13 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
                 f"parallel.plan={par.plan} inserts its collectives in the boost backend; use passes.backend=boost "
                 f"(got {passes.backend!r})"
             )
+        if par.plan == "vanilla" and par.dp > 1:
+            # DDP's DTensor transform swaps vanilla's DTensor parameters for new local ones after the
+            # optimizer holds the old ones: they would never be updated, and checkpoints cannot name them
+            raise ConfigError(
+                f"parallel.plan=vanilla (DTensor parameters) supports parallel.dp=1 only (got dp={par.dp}); "
+                "use parallel.plan=btp or megatron with data parallelism"
+            )
 
     # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
     world = par.dp * par.tp
