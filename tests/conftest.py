@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 from torch import nn
+
+# boost-train's token cache: one throwaway folder per test session (subprocesses inherit it),
+# never the user's ~/.cache
+os.environ.setdefault("BOOST_COMPILE_CACHE", tempfile.mkdtemp(prefix="boost-test-cache-"))
 
 #: Denominator floor of the norm-wise relative error (a zero reference stays finite).
 TINY = 1e-30

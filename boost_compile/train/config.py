@@ -144,13 +144,19 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """``data=``: a byte-tokenised text stream, packed into windows of ``trainer.seq``.
+    """``data=``: a tokenized text stream, packed into windows of ``trainer.seq``.
 
     ``source``: ``stdlib`` (the installed Python standard library's source, no
     download), ``text`` (local files: ``paths`` lists files or folders; folders are
     read recursively for ``pattern``), ``hf`` (``datasets.load_dataset(dataset,
     subset, split=split)`` offline, column ``text_field``). At most ``max_bytes``
     are read; the last ``val_fraction`` is held out.
+    ``tokenizer``: ``bytes`` (vocab 256), a local ``tokenizer.json`` or a folder
+    holding one, or ``bpe:<vocab>`` (a byte-level BPE trained on the training
+    split, saved as the run folder's ``tokenizer.json``); see
+    :mod:`boost_compile.train.tokenizer`. The model's vocabulary follows it.
+    ``cache_dir``: the token cache (null: ``$BOOST_COMPILE_CACHE``, else
+    ``~/.cache/boost_compile/tokens``); every tokenizer but bytes goes through it.
     """
 
     source: str = "stdlib"
@@ -162,6 +168,8 @@ class DataConfig:
     subset: str | None = None
     split: str = "train"
     text_field: str = "text"
+    tokenizer: str = "bytes"
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -195,6 +203,18 @@ class TrainerConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """``metrics=``: what a run writes besides ``metrics.jsonl``, ``summary.json`` and the plot.
+
+    ``tensorboard``: also write the metric rows as TensorBoard event files into
+    ``<run folder>/tensorboard`` (rank 0); needs the ``tensorboard`` package
+    (``pip install 'boost-compile[tensorboard]'``).
+    """
+
+    tensorboard: bool = False
+
+
+@dataclass
 class TrainConfig:
     """The whole ``boost-train`` config (``train.yaml`` composes one option per group)."""
 
@@ -206,6 +226,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 GROUPS = tuple(f.name for f in dataclasses.fields(TrainConfig))
@@ -388,6 +409,44 @@ def text_files(data: DataConfig) -> list[Path]:
     return files
 
 
+def check_tokenizer(data: DataConfig, model: ModelConfig, shape: ModelShape) -> None:
+    """``data.tokenizer`` names a tokenizer that loads, and a model whose vocabulary is
+    fixed (pretrained weights, ``model.overrides.vocab_size``) holds its ids."""
+    from boost_compile.train.tokenizer import BYTES, parse_spec
+
+    try:
+        kind, value = parse_spec(data.tokenizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if kind == BYTES:
+        return
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer} needs the `tokenizers` package (pip install tokenizers); "
+            "use data.tokenizer=bytes"
+        )
+    if kind == "bpe":
+        size, what = value, f"up to {value}"
+    else:
+        from boost_compile.train.tokenizer import Tokenizer
+
+        try:
+            size = Tokenizer.from_file(value).vocab_size
+        except Exception as exc:  # tokenizers raises its own Exception type for a bad file
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not load: {exc}") from exc
+        what = str(size)
+    fixed = None
+    if shape.kind == "hf" and model.pretrained:
+        fixed = ("the pretrained model's vocab_size", shape.vocab_size)
+    elif shape.kind == "preset" and "vocab_size" in model.overrides:
+        fixed = ("model.overrides.vocab_size", shape.vocab_size)
+    if fixed is not None and fixed[1] < size:
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer} has {what} tokens but {fixed[0]} is {fixed[1]}; "
+            "drop the override (the vocabulary follows the tokenizer) or use a smaller tokenizer"
+        )
+
+
 def tp_available() -> bool:
     import boost_compile
 
@@ -514,9 +573,21 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
             )
         if not data.dataset:
             raise ConfigError("data=hf needs data.dataset (a dataset name in the local cache, or a path)")
+    check_tokenizer(data, tc.model, shape)
 
     # checkpoint
     _positive("checkpoint.keep", ck.keep)
     if ck.resume_from is not None and not Path(ck.resume_from).expanduser().exists():
         raise ConfigError(f"checkpoint.resume_from={ck.resume_from!r} does not exist")
+
+    # metrics
+    if tc.metrics.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package)
+        except Exception as exc:  # not installed, or too old / broken to import
+            raise ConfigError(
+                f"metrics.tensorboard=true needs the `tensorboard` package, which cannot be imported "
+                f"({type(exc).__name__}: {exc}); install it with pip install 'boost-compile[tensorboard]' "
+                "or set metrics.tensorboard=false"
+            ) from exc
     return tc, shape

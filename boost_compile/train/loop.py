@@ -25,17 +25,18 @@ from torch import nn
 
 from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
 from boost_compile.train.config import ModelShape, TrainConfig, boost_options
-from boost_compile.train.data import PackedTokens, load_tokens, make_loaders
+from boost_compile.train.data import PackedTokens, load_corpus, make_loaders
 from boost_compile.train.metrics import (
     METRICS_FILE,
     PLOT_FILE,
     SUMMARY_FILE,
-    JsonlWriter,
+    MetricsWriter,
     PeakMemory,
     Progress,
     plot_losses,
     write_summary,
 )
+from boost_compile.train.model import fit_vocab
 from boost_compile.train.optim import make_optimizer
 from boost_compile.train.parallel import (
     Dist,
@@ -163,7 +164,9 @@ class Trainer:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer
         torch.manual_seed(tr.seed)
         random.seed(tr.seed)
-        train_data, val_data = make_loaders(tc, load_tokens(tc.data), dev)
+        corpus = load_corpus(tc.data, self.run_dir, dev)  # tokenized (and tokenizer.json saved)
+        self.shape = fit_vocab(self.shape, tc.model, corpus.tokenizer.vocab_size)
+        train_data, val_data = make_loaders(tc, corpus, dev)
         example = train_data.batch(0, 0)[0].to(dev.device) if dev.tp > 1 else None
         parts = build_model_parts(
             tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data)
@@ -202,7 +205,9 @@ class Trainer:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer
         assert self.ckpt is not None
         ckpt, start = self.ckpt, self.start
-        metrics = JsonlWriter(self.run_dir / METRICS_FILE, enabled=dev.is_main)
+        metrics = MetricsWriter(
+            self.run_dir, enabled=dev.is_main, tensorboard=tc.metrics.tensorboard, purge_step=start + 1 if start else None
+        )
         progress = Progress(tr.progress, tr.steps, start, tr.log_every, tr.batch * tr.seq, dev.is_main)
         tokens_per_step = tr.batch * tr.seq
         history: list[tuple[int, float]] = []
@@ -255,7 +260,7 @@ class Trainer:
         total_s = time.perf_counter() - begin
         return self._finish(history, val_loss, first_step_s, steady_s, total_s, memory.mib, status, stopper.signum, ckpt)
 
-    def _evaluate(self, eval_fn: nn.Module, data: PackedTokens, step: int, metrics: JsonlWriter, progress: Progress) -> float:
+    def _evaluate(self, eval_fn: nn.Module, data: PackedTokens, step: int, metrics: MetricsWriter, progress: Progress) -> float:
         was_training = eval_fn.training
         eval_fn.eval()
         try:

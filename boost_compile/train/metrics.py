@@ -3,7 +3,9 @@
 
 Files in a run folder: :data:`METRICS_FILE` (one JSON object per step and per
 evaluation, rank 0 appends), :data:`SUMMARY_FILE` (the run's result) and
-:data:`PLOT_FILE` (train and val loss).
+:data:`PLOT_FILE` (train and val loss); with ``metrics.tensorboard=true`` also
+TensorBoard event files in :data:`TENSORBOARD_DIR` (the same rows as scalars,
+:data:`TENSORBOARD_TAGS`; :class:`MetricsWriter` writes both).
 """
 
 from __future__ import annotations
@@ -23,6 +25,17 @@ log = logging.getLogger("boost_compile.train")
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tensorboard"
+
+# metrics.jsonl key -> TensorBoard scalar tag (the step is the row's "step")
+TENSORBOARD_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "tokens_per_s": "train/tokens_per_s",
+    "grad_norm": "train/grad_norm",
+    "step_s": "train/step_s",
+    "val_loss": "val/loss",
+}
 
 
 class JsonlWriter:
@@ -40,6 +53,60 @@ class JsonlWriter:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+class TensorBoardWriter:
+    """The rows of ``metrics.jsonl`` as TensorBoard scalars (:data:`TENSORBOARD_TAGS`) in
+    ``log_dir``, flushed row by row; writes nothing when not ``enabled`` (ranks other than 0).
+
+    ``purge_step``: a resumed run's first step; events at or after it that an
+    earlier, interrupted run wrote into the same folder are hidden.
+    """
+
+    def __init__(self, log_dir: Path, enabled: bool = True, purge_step: int | None = None) -> None:
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key, tag in TENSORBOARD_TAGS.items():
+            if row.get(key) is not None:
+                self.writer.add_scalar(tag, float(row[key]), row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class MetricsWriter:
+    """Where a run's metric rows go: ``metrics.jsonl`` in ``run_dir``, and TensorBoard event
+    files in ``run_dir/tensorboard`` when ``tensorboard``; rank 0 only (``enabled``)."""
+
+    def __init__(
+        self, run_dir: Path, enabled: bool = True, tensorboard: bool = False, purge_step: int | None = None
+    ) -> None:
+        self.jsonl = JsonlWriter(run_dir / METRICS_FILE, enabled)
+        self.tensorboard = (
+            TensorBoardWriter(run_dir / TENSORBOARD_DIR, enabled, purge_step) if enabled and tensorboard else None
+        )
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.jsonl.write(row)
+        if self.tensorboard is not None:
+            self.tensorboard.write(row)
+
+    def close(self) -> None:
+        try:
+            self.jsonl.close()
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()
 
 
 def write_summary(path: Path, result: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from boost_compile.train.config import ModelShape, TrainConfig, factorize_config
+from boost_compile.train.config import ModelConfig, ModelShape, TrainConfig, factorize_config
 
 log = logging.getLogger("boost_compile.train")
 
@@ -30,6 +30,39 @@ class HFCausalLM(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> ModelShape:
+    """``shape`` with the vocabulary following the tokenizer: ``padded_vocab(tokenizer_size)``.
+
+    The ids past ``tokenizer_size`` are padding for the GEMMs: the tokenizer never
+    produces them, so they are never targets (generation masks them). A vocabulary
+    that is fixed (pretrained Hugging Face weights, ``model.overrides.vocab_size``)
+    is kept when it holds the tokenizer's ids; ConfigError when it does not.
+    """
+    import copy
+    import dataclasses
+
+    from boost_compile.config import ConfigError
+    from boost_compile.train.tokenizer import padded_vocab
+
+    fixed = (shape.kind == "hf" and model.pretrained) or (shape.kind == "preset" and "vocab_size" in model.overrides)
+    if fixed:
+        if shape.vocab_size < tokenizer_size:
+            raise ConfigError(
+                f"the tokenizer has {tokenizer_size} tokens but the model's vocab_size is {shape.vocab_size}"
+            )
+        return shape
+    vocab = padded_vocab(tokenizer_size)
+    if vocab == shape.vocab_size:
+        return shape
+    log.info("vocab: %s tokens, padded to %s (the model's vocab_size, was %s)", f"{tokenizer_size:,}", f"{vocab:,}", f"{shape.vocab_size:,}")
+    if shape.kind == "preset":
+        config = dataclasses.replace(shape.llama_config, vocab_size=vocab)
+        return dataclasses.replace(shape, vocab_size=vocab, llama_config=config)
+    hf_config = copy.deepcopy(shape.hf_config)
+    hf_config.vocab_size = vocab
+    return dataclasses.replace(shape, vocab_size=vocab, hf_config=hf_config)
 
 
 def build_model(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
