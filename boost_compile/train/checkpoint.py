@@ -116,6 +116,13 @@ class Checkpointer:
             spec = specs.get(name)
             if spec is None or spec.dim is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
                 return t
+            if spec.sections:
+                # a fused weight cut part by part ([q_r | k_r | v_r]) is no DTensor Shard: saved as
+                # one, its whole tensor would come back with the parts in the wrong order
+                raise NotImplementedError(
+                    f"{name}: checkpointing a fused weight sharded part by part (parts {list(spec.sections)}) "
+                    "is not supported; use separate q/k/v projections, or parallel.tp=1"
+                )
             return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False)
 
         model_sd = {name: wrap(name, t) for name, t in model_sd.items()}
