@@ -12,8 +12,12 @@ real-valued rotate-half form (no complex tensors) and attention goes through
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,10 @@ from boost_compile.models.lowrank import LowRankLinear, break_even_rank
 
 PROJECTIONS = ("dense", "lowrank", "cola")
 INIT_STD = 0.02
+#: ``config.json``'s ``model_type`` for :meth:`Llama.save_pretrained`
+MODEL_TYPE = "boost_llama"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
 
 # Shapes of the CoLA paper models: size -> (dim, n_layers, n_heads, ffn_dim, rank, max_seq_len).
 PAPER_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -339,6 +347,11 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables (buffers, not saved in the state dict)."""
         cfg = self.config
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.rope_cos.copy_(cos.to(self.rope_cos.device))
@@ -361,3 +374,90 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""
         return sum(p.numel() for p in self.parameters())
+
+    # ------------------------------------------------------------------------- save / load
+
+    def save_pretrained(self, save_directory: str | os.PathLike, safe_serialization: bool = True) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` into ``save_directory``.
+
+        ``config.json`` holds the :class:`LlamaConfig` fields, ``model_type``,
+        ``dtype`` and, for a dense config whose linears ``factorize_`` turned into
+        bottlenecks, ``lowrank_layers`` (each one's shape and activation), so
+        :meth:`from_pretrained` rebuilds the same modules and loads the weights
+        bit for bit. Only safetensors is written (``safe_serialization=False`` is refused).
+        """
+        if not safe_serialization:
+            raise ValueError("Llama.save_pretrained writes safetensors only (safe_serialization=True)")
+        from safetensors.torch import save_model
+
+        out = Path(save_directory)
+        out.mkdir(parents=True, exist_ok=True)
+        dtype = next(self.parameters()).dtype
+        config = {"model_type": MODEL_TYPE, **dataclasses.asdict(self.config), "dtype": str(dtype).removeprefix("torch.")}
+        layers = lowrank_layout(self)
+        if layers and self.config.projection == "dense":
+            config["lowrank_layers"] = layers
+        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_model(self, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        return out
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, device: torch.device | str | None = None
+    ) -> Llama:
+        """The model :meth:`save_pretrained` wrote (same modules, same dtype, same bits)."""
+        from safetensors.torch import load_model
+
+        folder = Path(path)
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        model_type = config.pop("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(
+                f"{folder / CONFIG_FILE} has model_type {model_type!r}, not {MODEL_TYPE!r}; "
+                "a Hugging Face model loads with transformers.AutoModelForCausalLM.from_pretrained"
+            )
+        dtype = getattr(torch, config.pop("dtype", "float32"))
+        layers = config.pop("lowrank_layers", {})
+        with torch.device("meta"):
+            model = cls(LlamaConfig(**config))
+        apply_lowrank_layout(model, layers)
+        model.to_empty(device=device or "cpu")
+        if model.config.tie_embeddings:  # to_empty off meta makes a new tensor per module
+            model.output.weight = model.tok_embeddings.weight
+        model.reset_rope()
+        model.to(dtype)  # as boost-train's bf16-true casts (the RoPE buffers too)
+        load_model(model, str(folder / WEIGHTS_FILE), strict=True)
+        return model
+
+
+def lowrank_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Every :class:`LowRankLinear` of ``model``: fqn -> its shape, bias and activation."""
+    return {
+        name: {
+            "in_features": m.in_features,
+            "out_features": m.out_features,
+            "rank": m.rank,
+            "bias": m.up.bias is not None,
+            "activation": m.activation,
+        }
+        for name, m in model.named_modules()
+        if isinstance(m, LowRankLinear)
+    }
+
+
+def apply_lowrank_layout(model: nn.Module, layers: dict[str, dict[str, Any]]) -> None:
+    """Replace the modules named in ``layers`` (from :func:`lowrank_layout`) by such bottlenecks.
+
+    The new modules are created on the device and dtype of the module they
+    replace; their weights are to be loaded afterwards.
+    """
+    for fqn, spec in layers.items():
+        old = model.get_submodule(fqn)
+        ref = next(old.parameters(), None)
+        factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+        new = LowRankLinear(
+            spec["in_features"], spec["out_features"], spec["rank"],
+            bias=spec["bias"], activation=spec["activation"], **factory,
+        )
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
