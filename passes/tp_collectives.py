@@ -120,9 +120,9 @@ class TPCollectivesPass(GraphPass):
         copies: dict[fx.Node, fx.Node] = {}
         memo: dict[fx.Node, bool] = {}
         # every target first: inserting a copy changes the uses that hoisting reads
-        targets = [(node, sp, _hoist_target(node.args[0], col, memo)) for node, sp in gemms if sp.role == "col"]
+        targets = [(node, sp, _hoist_target(_input_arg(node), col, memo)) for node, sp in gemms if sp.role == "col"]
         for node, sp, top in targets:
-            x = node.args[0]
+            x = _input_arg(node)
             if top not in copies:
                 with graph.inserting_after(top):
                     copies[top] = graph.call_function(copy_to_tp, (top, sp.group_name))
@@ -164,7 +164,7 @@ def _feeds_only_col(node: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool])
     """Every use of ``node`` ends, through hoistable ops only, as the input of a column-parallel GEMM."""
     if node not in memo:
         memo[node] = bool(node.users) and all(
-            (u in col and u.args[0] is node and node not in u.args[1:])
+            (u in col and _input_arg(u) is node and sum(a is node for a in u.args) == 1)
             or (_hoistable(u) and _feeds_only_col(u, col, memo))
             for u in node.users
         )
@@ -188,6 +188,11 @@ def _hoist_target(x: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> f
             break
         top = parent
     return top
+
+
+def _input_arg(node: fx.Node) -> Any:
+    """The activation a GEMM multiplies: ``addmm(bias, x, W)`` takes it second."""
+    return node.args[1] if node.target is torch.addmm else node.args[0]
 
 
 def _weight_arg(node: fx.Node) -> Any:

@@ -255,6 +255,9 @@ class _Localizer:
             return self.place[node.args[0]]
         if node.op == "call_function" and t in _LINEAR:
             return self._weight_gemm(node, node.args[0], node.args[1], transposed_layout=True)
+        if node.op == "call_function" and t is torch.addmm and self._weight_spec_node(node.args[2]) is not None:
+            # addmm(bias, x, W): Hugging Face's Conv1D (GPT-2); a row-parallel bias is added after the sum
+            return self._weight_gemm(node, node.args[1], node.args[2], transposed_layout=False)
         if node.op == "call_function" and t in _MATMUL or (node.op == "call_method" and t in ("matmul", "__matmul__", "bmm", "mm")):
             weight = self._weight_spec_node(node.args[1])
             if weight is not None:
@@ -527,9 +530,15 @@ class _Localizer:
         x = node.args[0]
         p = self.place[x]
         src, dst = self.full[x], self.full[node]
-        if p.sections:
-            self._refuse(node, "a view of a fused output before it is split into its parts", "split the fused output first")
         o, why = _view_target_dim(src, dst, p.dim, self.world)
+        if p.sections and o is not None and src[p.dim] == dst[o]:
+            # the fused dim passes through whole (GPT-2's [B*T, 3d] -> [B, T, 3d])
+            if rewrite:
+                self._rewrite_size(node, o, dst)
+            return Sharded(o, p.sections)
+        if p.sections:
+            self._refuse(node, "a view that splits or merges a fused output before it is split into its parts",
+                         "split the fused output first")
         if o is None:
             self._refuse(node, f"a {_fn_name(node)} of a sharded tensor that no rank's slice can follow: {why}",
                          "each rank must hold whole heads: a TP degree that divides the head counts, and heads as the outer dim of the view")

@@ -788,11 +788,31 @@ def hf_gemma(low_rank: bool = False, seed: int = 0) -> tuple[nn.Module, LossFn]:
     return model, hf_loss
 
 
+def hf_gpt2_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The loss from the logits: GPT-2's own ``labels=`` loss breaks the graph in two."""
+    return next_token_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+
+
+def hf_gpt2(seed: int = 0) -> tuple[nn.Module, LossFn]:
+    """GPT2LMHeadModel: Conv1D projections (``addmm(b, x, W)``, W as [in, out]), a fused
+    ``c_attn`` split into q/k/v, LayerNorm, learned positions, tied head."""
+    transformers = _transformers()
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=64, n_layer=BLOCKS, n_head=4, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config)
+    assert model.lm_head.weight is model.transformer.wte.weight, "the head is not tied"
+    return model, hf_gpt2_loss
+
+
 # =============================================================================
 # the registry
 # =============================================================================
 
 STYLES: dict[str, Builder] = {
+    "hf-gpt2-dense": hf_gpt2,
     "nanogpt-fused-lowrank": functools.partial(nanogpt, fused_qkv=True, low_rank=True),
     "nanogpt-split-lowrank": functools.partial(nanogpt, fused_qkv=False, low_rank=True),
     "nanogpt-fused-dense": functools.partial(nanogpt, fused_qkv=True, low_rank=False),

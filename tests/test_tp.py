@@ -53,7 +53,7 @@ STYLE_MODELS = {
     "btp": ["nanogpt-fused-lowrank", "nanogpt-split-lowrank", "meta-llama-lowrank", "raw-cola",
             "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
-                 "hf-qwen2-dense", "hf-gemma-dense"],
+                 "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense"],
 }
 STYLE_SCENARIOS = [
     {"name": f"{model}-{plan}", "model": f"style:{model}", "plan": plan, "optim": "sgd"}
@@ -134,6 +134,9 @@ REPAIRS = {
     # per layer: q/k/v views, the two complex reshapes of RoPE, repeat_kv's expand + reshape for k and v
     "meta-llama-lowrank-btp": 2 * 9,
     "meta-llama-dense-megatron": 2 * 9,
+    # per layer: c_attn's and c_fc's Conv1D views back to [B, T, width], the split of c_attn,
+    # and the flattening view(-1, width) before each row-parallel Conv1D (q/k/v views use -1 heads)
+    "hf-gpt2-dense-megatron": 2 * 5,
 }
 
 

@@ -190,6 +190,12 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
     return _Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections)
 
 
+def _is_reshape(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in ("view", "reshape")) or (
+        node.op == "call_function" and node.target is torch.reshape
+    )
+
+
 def _is_embedding(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is torch.nn.functional.embedding
 
@@ -200,6 +206,13 @@ def _split_sections(node: fx.Node) -> tuple[int, ...] | None:
     if len(users) != 1:
         return None
     split = users[0]
+    out = node.meta.get("example_value")
+    reshaped = split.meta.get("example_value")
+    if (  # a reshape that keeps the last dim whole first (GPT-2's Conv1D: [B*T, 3d] -> [B, T, 3d])
+        _is_reshape(split) and out is not None and reshaped is not None
+        and reshaped.shape[-1] == out.shape[-1] and len(split.users) == 1
+    ):
+        node, split = split, next(iter(split.users))
     is_split = (split.op == "call_method" and split.target in ("split", "chunk")) or (
         split.op == "call_function" and split.target in (torch.split, torch.chunk)
     )
