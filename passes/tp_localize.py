@@ -32,6 +32,7 @@ the shapes and the model's source line, before the first step runs.
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from collections.abc import Sequence
@@ -666,7 +667,8 @@ class _Localizer:
             idx = (idx,)
         n_real = sum(1 for i in idx if i is not None and i is not Ellipsis)
         in_dim, out_dim, result = 0, 0, None
-        for item in idx:
+        sections = p.sections
+        for k, item in enumerate(idx):
             if item is Ellipsis:
                 skip = nd - n_real
                 if in_dim <= p.dim < in_dim + skip:
@@ -678,7 +680,9 @@ class _Localizer:
             elif isinstance(item, slice):
                 if in_dim == p.dim:
                     if item != slice(None, None, None):
-                        self._refuse(node, f"slicing {item} of the sharded dim {p.dim}", "")
+                        local = self._section_slice(node, item, p, self.full[src][p.dim])
+                        idx = (*idx[:k], local, *idx[k + 1:])
+                        sections = None
                     result = out_dim
                 in_dim += 1
                 out_dim += 1
@@ -690,7 +694,21 @@ class _Localizer:
                 self._refuse(node, f"advanced indexing ({item}) of a sharded tensor", "")
         if result is None:
             result = out_dim + (p.dim - in_dim)
-        return Sharded(result, p.sections)
+        if sections != p.sections:
+            self._set_arg(node, 1, idx, f"slice of a fused part -> {idx}")
+        return Sharded(result, sections)
+
+    def _section_slice(self, node: fx.Node, item: slice, p: Sharded, width: int) -> slice:
+        """A slice that takes exactly one part of a fused output (Phi-3's ``qkv[..., :q_pos]``)
+        becomes the slice of this rank's share of that part."""
+        start, stop = item.start or 0, width if item.stop is None else item.stop
+        bounds = [sum(p.sections[:i]) for i in range(len(p.sections) + 1)] if p.sections else []
+        if item.step not in (None, 1) or not p.sections or (start, stop) not in zip(bounds, bounds[1:], strict=False):
+            self._refuse(node, f"slicing {item} of the sharded dim {p.dim}",
+                         "slice only a fused output, along the parts it is made of")
+        i = bounds.index(start)
+        local = start // self.world
+        return slice(local, local + p.sections[i] // self.world, None)
 
     def _cat(self, node: fx.Node) -> Placement:
         # torch.cat skips 1-d empty tensors (an empty KV cache): they take no part
@@ -762,8 +780,15 @@ class _Localizer:
                     n.meta["example_value"] = out
                 return out
 
-        with mode, torch.set_grad_enabled(self.ctx.grad_enabled):
-            Propagate(self.gm).run(*inputs)
+        # a failing op becomes the refusal above; fake-tensor's own ERROR log of it would only repeat it
+        fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+        level = fake_log.level
+        fake_log.setLevel(logging.CRITICAL)
+        try:
+            with mode, torch.set_grad_enabled(self.ctx.grad_enabled):
+                Propagate(self.gm).run(*inputs)
+        finally:
+            fake_log.setLevel(level)
         for node in self.graph.nodes:
             full = self.full.get(node)
             val = node.meta.get("example_value")

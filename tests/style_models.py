@@ -789,7 +789,7 @@ def hf_gemma(low_rank: bool = False, seed: int = 0) -> tuple[nn.Module, LossFn]:
 
 
 def hf_gpt2_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The loss from the logits: GPT-2's own ``labels=`` loss breaks the graph in two."""
+    """The loss from the logits (GPT-2's own ``labels=`` loss breaks the graph in two)."""
     return next_token_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
 
 
@@ -807,12 +807,26 @@ def hf_gpt2(seed: int = 0) -> tuple[nn.Module, LossFn]:
     return model, hf_gpt2_loss
 
 
+def hf_phi3(low_rank: bool = False, seed: int = 0) -> tuple[nn.Module, LossFn]:
+    """Phi3ForCausalLM: one fused ``qkv_proj`` sliced into q, k, v (``qkv[..., :q_pos]``) and one
+    fused ``gate_up_proj`` chunked in two; untied head."""
+    transformers = _transformers()
+    config = transformers.Phi3Config(**_hf_common(), pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.Phi3ForCausalLM(config)
+    if low_rank:
+        _factorize(model)
+    return model, hf_gpt2_loss
+
+
 # =============================================================================
 # the registry
 # =============================================================================
 
 STYLES: dict[str, Builder] = {
     "hf-gpt2-dense": hf_gpt2,
+    "hf-phi3-dense": functools.partial(hf_phi3, low_rank=False),
+    "hf-phi3-lowrank": functools.partial(hf_phi3, low_rank=True),
     "nanogpt-fused-lowrank": functools.partial(nanogpt, fused_qkv=True, low_rank=True),
     "nanogpt-split-lowrank": functools.partial(nanogpt, fused_qkv=False, low_rank=True),
     "nanogpt-fused-dense": functools.partial(nanogpt, fused_qkv=True, low_rank=False),
@@ -844,6 +858,8 @@ BOTTLENECKS_PER_BLOCK: dict[str, int] = {
     "hf-llama-tied-lowrank": 7,
     "hf-qwen2-lowrank": 7,
     "hf-gemma-lowrank": 7,
+    # qkv_proj, o_proj, gate_up_proj, down_proj
+    "hf-phi3-lowrank": 4,
 }
 
 #: Every model here has this many decoder blocks.

@@ -51,9 +51,9 @@ SCENARIOS = [
 #: 1e-5, the first step's within 1e-6.
 STYLE_MODELS = {
     "btp": ["nanogpt-fused-lowrank", "nanogpt-split-lowrank", "meta-llama-lowrank", "raw-cola",
-            "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank"],
+            "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank", "hf-phi3-lowrank"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
-                 "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense"],
+                 "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense"],
 }
 STYLE_SCENARIOS = [
     {"name": f"{model}-{plan}", "model": f"style:{model}", "plan": plan, "optim": "sgd"}

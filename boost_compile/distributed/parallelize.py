@@ -34,6 +34,7 @@ collectives. Run without the backend, the model raises (``tp_sentinel``).
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -190,6 +191,26 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
     return _Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections)
 
 
+def _last_dim_slice(node: fx.Node) -> slice | None:
+    """``x[..., a:b]`` -> slice(a, b)."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
+        return None
+    idx = node.args[1]
+    if len(idx) == 2 and idx[0] is Ellipsis and isinstance(idx[1], slice) and idx[1].step in (None, 1):
+        return idx[1]
+    return None
+
+
+def _slice_sections(node: fx.Node, width: int) -> tuple[int, ...] | None:
+    """Sizes of the parts when the users' last-dim slices tile [0, width) exactly (Phi-3's qkv)."""
+    spans = sorted(((s.start or 0), width if s.stop is None else s.stop) for s in map(_last_dim_slice, node.users))
+    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != width:
+        return None
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    return tuple(b - a for a, b in spans)
+
+
 def _is_reshape(node: fx.Node) -> bool:
     return (node.op == "call_method" and node.target in ("view", "reshape")) or (
         node.op == "call_function" and node.target is torch.reshape
@@ -202,14 +223,18 @@ def _is_embedding(node: fx.Node) -> bool:
 
 def _split_sections(node: fx.Node) -> tuple[int, ...] | None:
     """Whole sizes of the parts a GEMM's output is split into on its last dim (fused q/k/v)."""
+    out = node.meta.get("example_value")
+    if out is None:
+        return None
+    if len(node.users) > 1 and all(_last_dim_slice(u) is not None for u in node.users):
+        return _slice_sections(node, int(out.shape[-1]))
     users = list(node.users)
     if len(users) != 1:
         return None
     split = users[0]
-    out = node.meta.get("example_value")
     reshaped = split.meta.get("example_value")
     if (  # a reshape that keeps the last dim whole first (GPT-2's Conv1D: [B*T, 3d] -> [B, T, 3d])
-        _is_reshape(split) and out is not None and reshaped is not None
+        _is_reshape(split) and reshaped is not None
         and reshaped.shape[-1] == out.shape[-1] and len(split.users) == 1
     ):
         node, split = split, next(iter(split.users))
