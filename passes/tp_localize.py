@@ -177,7 +177,21 @@ class _Localizer:
 
     # -- driver ---------------------------------------------------------------------
 
+    def _canonical_weight_reads(self) -> None:
+        """One spelling per weight GEMM, the one ``tp_collectives`` matches: ``x.matmul(W)`` and
+        ``x.mm(W)`` become ``x @ W``; ``torch.t(W)`` and ``W.T`` become ``W.t()``."""
+        weights = {n for n in self.graph.nodes if _is_full_view(n) or (n.op == "placeholder" and n in self.specs)}
+        for node in self.graph.nodes:
+            if node.op == "call_method" and node.target in ("matmul", "mm", "__matmul__") and len(node.args) == 2:
+                node.op, node.target = "call_function", operator.matmul
+            transposed = (node.op == "call_function" and node.target is torch.t) or (
+                node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT")
+            )
+            if transposed and node.args[0] in weights and len(self.full.get(node) or ()) == 2:
+                node.op, node.target, node.args, node.kwargs = "call_method", "t", (node.args[0],), {}
+
     def run(self) -> None:
+        self._canonical_weight_reads()
         for node in list(self.graph.nodes):
             if node.op == "output":
                 self._output(node)
@@ -259,7 +273,7 @@ class _Localizer:
         if node.op == "call_function" and t is torch.addmm and self._weight_spec_node(node.args[2]) is not None:
             # addmm(bias, x, W): Hugging Face's Conv1D (GPT-2); a row-parallel bias is added after the sum
             return self._weight_gemm(node, node.args[1], node.args[2], transposed_layout=False)
-        if node.op == "call_function" and t in _MATMUL or (node.op == "call_method" and t in ("matmul", "__matmul__", "bmm", "mm")):
+        if node.op == "call_function" and t in _MATMUL or (node.op == "call_method" and t == "bmm"):
             weight = self._weight_spec_node(node.args[1])
             if weight is not None:
                 return self._weight_gemm(node, node.args[0], node.args[1], transposed_layout=False)
@@ -371,7 +385,7 @@ class _Localizer:
         """The parameter behind a GEMM's weight argument (through ``.t()``), if it is one."""
         if not isinstance(w, fx.Node):
             return None
-        if w.op == "call_method" and w.target == "t" or (w.op == "call_function" and w.target in (torch.t,)):
+        if w.op == "call_method" and w.target == "t":  # the one spelling left by _canonical_weight_reads
             w = w.args[0]
         if _is_full_view(w):
             return w

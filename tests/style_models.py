@@ -701,10 +701,28 @@ def raw_cola_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return next_token_loss(model(tokens), tokens)
 
 
-def raw_cola(seed: int = 0) -> tuple[nn.Module, LossFn]:
-    """CoLA with raw A/B parameters (``x @ A``): 7 silu bottlenecks per block, GQA 4/2."""
+def raw_cola(seed: int = 0, spelling: str = "matmul") -> tuple[nn.Module, LossFn]:
+    """CoLA with raw A/B parameters (``x @ A``): 7 silu bottlenecks per block, GQA 4/2.
+
+    ``spelling="transposed"``: the same factors stored [r, d_in] and [d_out, r] (nn.Linear's
+    layout) and read as ``x.matmul(torch.t(A))`` and ``h @ B.T``.
+    """
     torch.manual_seed(seed)
-    return ColaForCausalLM(ColaConfig()), raw_cola_loss
+    model = ColaForCausalLM(ColaConfig())
+    if spelling == "transposed":
+        for layer in [m for m in model.modules() if isinstance(m, ColaLayer)]:
+            layer.__class__ = TransposedColaLayer
+            with torch.no_grad():
+                layer.A = nn.Parameter(layer.A.t().contiguous())
+                layer.B = nn.Parameter(layer.B.t().contiguous())
+    return model, raw_cola_loss
+
+
+class TransposedColaLayer(ColaLayer):
+    """ColaLayer with its factors in nn.Linear's [out, in] layout, read through transposes."""
+
+    def forward(self, x):
+        return F.silu(x.matmul(torch.t(self.A))) @ self.B.T
 
 
 # =============================================================================
@@ -836,6 +854,7 @@ STYLES: dict[str, Builder] = {
     "meta-llama-dense": functools.partial(meta_llama, low_rank=False),
     "meta-llama-lowrank": functools.partial(meta_llama, low_rank=True),
     "raw-cola": raw_cola,
+    "raw-cola-transposed": functools.partial(raw_cola, spelling="transposed"),
     "hf-llama-tied-lowrank": functools.partial(hf_llama_tied, low_rank=True),
     "hf-llama-tied-dense": functools.partial(hf_llama_tied, low_rank=False),
     "hf-qwen2-lowrank": functools.partial(hf_qwen2, low_rank=True),
@@ -855,6 +874,7 @@ BOTTLENECKS_PER_BLOCK: dict[str, int] = {
     "nanogpt-layernorm-bias-lowrank": 4,
     "meta-llama-lowrank": 7,
     "raw-cola": 7,
+    "raw-cola-transposed": 7,
     "hf-llama-tied-lowrank": 7,
     "hf-qwen2-lowrank": 7,
     "hf-gemma-lowrank": 7,

@@ -50,7 +50,7 @@ SCENARIOS = [
 #: within rounding of each other: every step's loss and gathered gradients within
 #: 1e-5, the first step's within 1e-6.
 STYLE_MODELS = {
-    "btp": ["nanogpt-fused-lowrank", "nanogpt-split-lowrank", "meta-llama-lowrank", "raw-cola",
+    "btp": ["nanogpt-fused-lowrank", "nanogpt-split-lowrank", "meta-llama-lowrank", "raw-cola", "raw-cola-transposed",
             "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank", "hf-phi3-lowrank"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
                  "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense"],
