@@ -83,8 +83,7 @@ _ELEMENTWISE_FUNCTIONS = {
     torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.where,
     torch.masked_fill, torch.maximum, torch.minimum, torch.reciprocal, torch.cos, torch.sin, torch.erf,
     torch.square, torch.polar, torch.complex, torch.real, torch.imag,
-    F.silu, F.gelu, F.relu, F.dropout, F.softplus, F.sigmoid if hasattr(F, "sigmoid") else torch.sigmoid,
-    torch.nn.functional.tanh,
+    F.silu, F.gelu, F.relu, F.dropout, F.softplus, F.tanh,
 }
 _ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "neg", "pow", "float", "half", "bfloat16", "double", "to", "type", "type_as",
@@ -269,14 +268,14 @@ class _Localizer:
         if node.op == "call_function" and getattr(t, "__name__", "") == "tp_sentinel.default":
             return self.place[node.args[0]]
         if node.op == "call_function" and t in _LINEAR:
-            return self._weight_gemm(node, node.args[0], node.args[1], transposed_layout=True)
+            return self._weight_gemm(node, node.args[0], node.args[1])
         if node.op == "call_function" and t is torch.addmm and self._weight_spec_node(node.args[2]) is not None:
             # addmm(bias, x, W): Hugging Face's Conv1D (GPT-2); a row-parallel bias is added after the sum
-            return self._weight_gemm(node, node.args[1], node.args[2], transposed_layout=False)
+            return self._weight_gemm(node, node.args[1], node.args[2])
         if node.op == "call_function" and t in _MATMUL or (node.op == "call_method" and t == "bmm"):
             weight = self._weight_spec_node(node.args[1])
             if weight is not None:
-                return self._weight_gemm(node, node.args[0], node.args[1], transposed_layout=False)
+                return self._weight_gemm(node, node.args[0], node.args[1])
             return self._matmul(node)
         if node.op == "call_function" and t in _SDPA:
             return self._sdpa(node)
@@ -393,7 +392,7 @@ class _Localizer:
             return w
         return None
 
-    def _weight_gemm(self, node: fx.Node, x: fx.Node, w: fx.Node, transposed_layout: bool) -> Placement:
+    def _weight_gemm(self, node: fx.Node, x: fx.Node, w: fx.Node) -> Placement:
         wnode = self._weight_spec_node(w)
         spec = self.specs.get(wnode.args[0] if _is_full_view(wnode) else wnode) if wnode is not None else None
         xp = self.place.get(x)
