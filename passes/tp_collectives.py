@@ -46,21 +46,15 @@ import torch.fx as fx
 from boost_compile.analysis import RMSNormSite
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.parallelize import ParallelizeError, ShardSpec
-from boost_compile.pass_manager import GraphPass, PassContext, PassReport
-from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY, shard_specs
+from boost_compile.pass_manager import PassContext, PassReport
+from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY, TPPass, shard_specs
 
 _LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {operator.matmul, torch.matmul, torch.mm}
 
 
-class TPCollectivesPass(GraphPass):
+class TPCollectivesPass(TPPass):
     name = "tp_collectives"
-
-    def enabled(self) -> bool:
-        return self.config.tp.enabled
-
-    def config_section(self) -> Any:
-        return self.config.tp
 
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)

@@ -122,15 +122,19 @@ def _is_method_or_fn(node: fx.Node, names: set[str], functions: Sequence[Any] = 
 # ----------------------------------------------------------------------------- the pass
 
 
-class TPLocalizePass(GraphPass):
-    name = "tp_localize"
-    expects_sites = False
+class TPPass(GraphPass):
+    """A pass on a model sharded by ``parallelize_``: enabled and configured by ``tp``."""
 
     def enabled(self) -> bool:
         return self.config.tp.enabled
 
     def config_section(self) -> Any:
         return self.config.tp
+
+
+class TPLocalizePass(TPPass):
+    name = "tp_localize"
+    expects_sites = False
 
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)
