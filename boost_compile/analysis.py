@@ -266,6 +266,9 @@ class GraphView:
     def ancestors(self, node: fx.Node) -> set[fx.Node]:
         return nx.ancestors(self.nx, node)
 
+    def descendants(self, node: fx.Node) -> set[fx.Node]:
+        return nx.descendants(self.nx, node)
+
     # -- linears --------------------------------------------------------------------
 
     @cached_property

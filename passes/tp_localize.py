@@ -32,6 +32,7 @@ the shapes and the model's source line, before the first step runs.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import re
@@ -45,7 +46,12 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from boost_compile.analysis import GraphView, RMSNormSite
-from boost_compile.distributed.collectives import gather_from_tp, scatter_to_tp
+from boost_compile.distributed.collectives import (
+    gather_from_tp,
+    local_size,
+    scatter_to_tp,
+    vocab_parallel_cross_entropy,
+)
 from boost_compile.distributed.parallelize import ParallelizeError, ShardSpec
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
@@ -170,6 +176,8 @@ class _Localizer:
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.repairs: list[str] = []
         self.exempt: set[fx.Node] = set()  # reductions inside an RMSNorm site on a sharded input
+        self.vocab: set[fx.Node] = set()  # sharded on the vocabulary: the head's output and what follows it
+        self.vocab_losses = 0
         self.sharded_norms: list[fx.Node] = []
         view = GraphView(self.gm, ctx.example_inputs, ctx.config.analysis)
         self.site_of: dict[fx.Node, RMSNormSite] = {}
@@ -205,6 +213,7 @@ class _Localizer:
                 self._decide_site(site)
             self.place[node] = self._place(node)
             node.meta[PLACEMENT_KEY] = self.place[node]
+            self._track_vocab(node)
         self._remove_full_views()
         self.gm.meta[SHARDED_NORMS_KEY] = list(self.sharded_norms)
         self.graph.lint()
@@ -219,9 +228,11 @@ class _Localizer:
             "scatters": len(self.scattered),
             "gathers": len(self.gathered),
             "refused": 0,
+            "vocab_parallel_losses": self.vocab_losses,
             "summary": (
                 f"sharding-consistency check: {checked} nodes checked against the unsharded graph, "
                 f"{repaired} repaired, {len(self.scattered)} scattered, {len(self.gathered)} gathered, 0 refused"
+                + (f"; {self.vocab_losses} vocab-parallel cross-entropy" if self.vocab_losses else "")
             ),
         }
 
@@ -267,6 +278,9 @@ class _Localizer:
 
     def _sharded_op(self, node: fx.Node, inputs: list[fx.Node]) -> Any:
         t = node.target
+        vocab_inputs = [x for x in inputs if x in self.vocab]
+        if vocab_inputs and not self._keeps_vocab_sharding(node, vocab_inputs):
+            return self._vocab_consumer(node, vocab_inputs)
         if node.op == "call_function" and t is operator.getitem:
             return self._getitem(node)
         if node.op == "call_function" and getattr(t, "__name__", "") == "tp_sentinel.default":
@@ -323,6 +337,94 @@ class _Localizer:
         self._refuse(node, f"{_fn_name(node)} has a sharded input and no sharding rule",
                      "report the op; until it has a rule, use plan='vanilla' or keep this part of the model replicated")
 
+    # -- the vocabulary-parallel head --------------------------------------------------
+
+    def _track_vocab(self, node: fx.Node) -> None:
+        """The head's output is sharded on the vocabulary, and so is what the ops it passes keep sharded."""
+        if self._sharded(node) and not _is_full_view(node) and any(
+            x in self.vocab or self._head_weight(x) for x in node.all_input_nodes
+        ):
+            self.vocab.add(node)
+
+    def _head_weight(self, node: fx.Node) -> bool:
+        return _is_full_view(node) and self.specs[node.args[0]].head
+
+    def _keeps_vocab_sharding(self, node: fx.Node, vocab_inputs: list[fx.Node]) -> bool:
+        """Ops that logits pass through sharded: casts, views that keep the vocabulary dim whole,
+        transposes, indexing of other dims, elementwise ops with scalars. Anything else (a softmax,
+        a top-k, a user's own loss) gets them gathered first: slower, never different."""
+        x = vocab_inputs[0]
+        if isinstance(self.place[x], list):
+            return False
+        p = self.place[x]
+        if node.op == "call_function" and node.target is operator.getitem:
+            return len(vocab_inputs) == 1 and _index_keeps_dim(node.args[1], len(self.full[x]), p.dim)
+        if _is_method_or_fn(node, {"transpose", "swapaxes", "permute", "t", "movedim"}, (torch.transpose, torch.permute, torch.t, torch.swapaxes, torch.movedim)):
+            return True
+        if _is_method_or_fn(node, _VIEWS | {"flatten", "unsqueeze", "squeeze"}, (torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze)):
+            src, dst = self.full[x], self.full[node]
+            o, _ = _view_target_dim(src, dst, p.dim, 1)
+            return o is not None and _hint(dst[o]) == _hint(src[p.dim])
+        if node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS):
+            others = _tensor_inputs(node)
+            if node.op == "call_method" and node.target in _FIRST_ARG_ONLY:
+                others = others[:1]
+            nd = len(self.full[node] or ())
+            od = p.dim + nd - len(self.full[x])
+            for y in others:
+                if self.full.get(y) is None:
+                    continue
+                yd = od - (nd - len(self.full[y]))
+                if y in self.vocab or self._head_weight(y):  # logits plus the head's bias
+                    if self.place[y].dim != yd:
+                        return False
+                elif self.place.get(y) is not None or (yd >= 0 and not _is_one(self.full[y][yd])):
+                    return False
+            return True
+        return False
+
+    def _vocab_consumer(self, node: fx.Node, vocab_inputs: list[fx.Node]) -> Placement:
+        """A cross-entropy on vocabulary-sharded logits becomes the vocabulary-parallel one;
+        any other consumer gets them whole."""
+        if node.op == "call_function" and node.target is F.cross_entropy and self._vocab_cross_entropy(node):
+            return None
+        for x in vocab_inputs:
+            self._gather_input(node, x, f"{_fn_name(node)} is not vocabulary-parallel")
+        remaining = [y for y in _tensor_inputs(node) if self._sharded(y)]
+        return self._sharded_op(node, remaining) if remaining else self._replicated_op(node)
+
+    def _vocab_cross_entropy(self, node: fx.Node) -> bool:
+        """``F.cross_entropy(logits [N, V] sharded on V, target [N])`` -> ``vocab_parallel_cross_entropy``.
+
+        Only the plain form: no class weights, no label smoothing, no legacy reduction
+        flags; the others keep the gathered logits (False).
+        """
+        try:
+            bound = inspect.signature(F.cross_entropy).bind(*node.args, **node.kwargs)
+        except TypeError:
+            return False
+        bound.apply_defaults()
+        a = bound.arguments
+        x, target = a["input"], a["target"]
+        p = self.place.get(x)
+        plain = (
+            isinstance(p, Sharded) and len(self.full[x]) == 2 and p.dim == 1 and self.full.get(target) is not None
+            and len(self.full[target]) == 1 and self.place.get(target) is None and a["weight"] is None
+            and a["size_average"] is None and a["reduce"] is None and a["label_smoothing"] == 0.0
+            and isinstance(a["ignore_index"], int) and a["reduction"] in ("mean", "sum", "none")
+        )
+        if not plain:
+            return False
+        vocab = _hint(self.full[x][1])
+        node.target = vocab_parallel_cross_entropy
+        node.args = (x, target, self.group, self.world, self.rank, vocab, a["ignore_index"], a["reduction"])
+        node.kwargs = {}
+        self.vocab_losses += 1
+        self.repairs.append(f"vocab-parallel cross_entropy at {self._where(node)}: logits {self._shape_str(x)} stay "
+                            f"sharded on the vocabulary ({local_size(vocab, self.world)} columns a rank); "
+                            "all-reduces of [N] only")
+        return True
+
     # -- rules ----------------------------------------------------------------------
 
     def _elementwise(self, node: fx.Node) -> Placement:
@@ -365,18 +467,20 @@ class _Localizer:
             self.repairs.append(f"scatter {x.name} {self._shape_str(x)} -> this rank's slice of dim {dim} (replicated value entering a sharded op at {self._where(node)})")
         node.replace_input_with(x, self.scattered[x])
 
-    def _gather_input(self, node: fx.Node, x: fx.Node) -> None:
-        """``x`` is sharded on its last dim but ``node`` needs it whole: all-gather it."""
+    def _gather_input(self, node: fx.Node, x: fx.Node, why: str = "") -> None:
+        """``x`` is sharded but ``node`` needs it whole: all-gather it (and drop any padding)."""
         p = self.place[x]
         if p.sections:
             self._refuse(node, f"needs {x.name} whole, but it is a fused output cut part by part", "")
         if x not in self.gathered:
+            whole = _hint(self.full[x][p.dim])
+            size = whole if whole % self.world else -1
             with self.graph.inserting_after(x):
-                self.gathered[x] = self.graph.call_function(gather_from_tp, (x, self.group, self.world, self.rank, p.dim))
+                self.gathered[x] = self.graph.call_function(gather_from_tp, (x, self.group, self.world, self.rank, p.dim, size))
             self.place[self.gathered[x]] = None
             self.gathered[x].meta[PLACEMENT_KEY] = None
             self.full[self.gathered[x]] = self.full[x]
-            self.repairs.append(f"gather {x.name} {self._shape_str(x)} whole for {self._where(node)}")
+            self.repairs.append(f"gather {x.name} {self._shape_str(x)} whole for {self._where(node)}" + (f" ({why})" if why else ""))
         node.replace_input_with(x, self.gathered[x])
 
     def _needs_whole(self, node: fx.Node, x: fx.Node, why: str, hint: str) -> Placement:
@@ -548,7 +652,9 @@ class _Localizer:
         x = node.args[0]
         p = self.place[x]
         src, dst = self.full[x], self.full[node]
-        o, why = _view_target_dim(src, dst, p.dim, self.world)
+        # a padded vocabulary dim passes only whole (checked by _keeps_vocab_sharding)
+        padded = _hint(src[p.dim]) % self.world != 0
+        o, why = _view_target_dim(src, dst, p.dim, 1 if padded else self.world)
         if p.sections and o is not None and src[p.dim] == dst[o]:
             # the fused dim passes through whole (GPT-2's [B*T, 3d] -> [B, T, 3d])
             if rewrite:
@@ -581,7 +687,7 @@ class _Localizer:
             return
         if not isinstance(value, int):
             self._refuse(node, f"the size of sharded dim {o} is computed in the graph ({value})", "use static shapes for the sharded dims")
-        local = value // self.world
+        local = local_size(value, self.world)
         before = tuple(sizes)
         sizes[o] = local
         if "size" in node.kwargs or "shape" in node.kwargs:
@@ -763,10 +869,14 @@ class _Localizer:
     def _output(self, node: fx.Node) -> None:
         """The caller gets whole tensors: a sharded output (a KV cache, hidden states) is gathered."""
         for x in _tensor_inputs(node):
-            if self.place.get(x) is not None:
-                self._gather_input(node, x)
-                self.report.skip(x.name, "a sharded tensor is returned, so it is all-gathered every step "
-                                 "(for training, ask the model for the loss alone, e.g. use_cache=False)")
+            if self.place.get(x) is None:
+                continue
+            if x in self.vocab:  # logits the caller asked for
+                self._gather_input(node, x, "returned to the caller")
+                continue
+            self._gather_input(node, x)
+            self.report.skip(x.name, "a sharded tensor is returned, so it is all-gathered every step "
+                             "(for training, ask the model for the loss alone, e.g. use_cache=False)")
 
     # -- after the walk ---------------------------------------------------------------
 
@@ -814,7 +924,7 @@ class _Localizer:
             p = self.place.get(node)
             expected = list(full)
             if isinstance(p, Sharded):
-                expected[p.dim] = full[p.dim] // self.world
+                expected[p.dim] = local_size(full[p.dim], self.world)
             local = list(val.shape)
             checked += 1
             if len(local) != len(expected) or not all(_dims_equal(a, b) for a, b in zip(local, expected, strict=True)):
@@ -864,6 +974,19 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
         if isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)):
             out.append(n)
     return out
+
+
+def _index_keeps_dim(idx: Any, nd: int, d: int) -> bool:
+    """Whether ``x[idx]`` leaves dim ``d`` of an ``nd``-dim tensor whole (only basic indexing)."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) for i in items):
+        return False
+    real = [i for i in items if i is not None]
+    if Ellipsis in real:
+        k = real.index(Ellipsis)
+        real = real[:k] + [slice(None)] * (nd - len(real) + 1) + real[k + 1:]
+    real += [slice(None)] * (nd - len(real))
+    return real[d] == slice(None)
 
 
 def _is_zero(size: Any) -> bool:

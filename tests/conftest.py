@@ -48,11 +48,11 @@ def assert_grads_close(model_a: nn.Module, model_b: nn.Module, rtol: float) -> N
     assert not bad, f"{len(bad)}/{len(errors)} gradients differ by more than {rtol:g}: {bad}"
 
 
-def tiny_hf_llama(attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+def tiny_hf_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size: int = 256) -> nn.Module:
     """A randomly initialised two-layer ``transformers.LlamaForCausalLM`` (nothing downloaded)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

@@ -42,6 +42,15 @@ SCENARIOS = [
     {"name": "cola-btp-separate", "model": "tiny:4", "plan": "btp", "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
     {"name": "cola-btp-bf16", "model": "tiny:4", "plan": "btp", "dtype": "bfloat16", "steps": 1},
     {"name": "cola-btp-bf16-separate", "model": "tiny:4", "plan": "btp", "dtype": "bfloat16", "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
+    # the vocabulary-parallel head and loss (the default under btp and megatron): a vocabulary the
+    # TP degree does not divide (255: each rank holds 128 columns, the last one padding), a Hugging
+    # Face model whose loss (view(-1, vocab_size), cross_entropy) is in the graph, PyTorch's own
+    # loss-parallel for vanilla, and the head kept whole on request
+    {"name": "cola-btp-vocab255", "model": "tiny:4:vocab255", "plan": "btp"},
+    {"name": "dense-megatron-vocab255", "model": "tiny-dense:4:vocab255", "plan": "megatron"},
+    {"name": "hf-factorized-btp-vocab255", "model": "hf:vocab255", "plan": "btp", "loss_only": True},
+    {"name": "cola-vanilla-loss-parallel", "model": "tiny:4", "plan": "vanilla", "parallelize": {"vocab_parallel": True}},
+    {"name": "cola-btp-replicated-head", "model": "tiny:4", "plan": "btp", "parallelize": {"vocab_parallel": False}, "steps": 1},
     {"name": "bad", "bad_inputs": True},
 ]
 
@@ -165,7 +174,7 @@ def test_megatron_tied_needs_no_slicing(results):
 
 def test_auto_picks_the_plan(results):
     # auto on bottleneck blocks sends the same collectives as btp; on dense blocks as megatron
-    assert ok(results, "cola-auto")["collectives"] == ok(results, "cola-btp")["collectives"]
+    assert payloads(ok(results, "cola-auto")["collectives"]) == payloads(ok(results, "cola-btp")["collectives"])
     fwd = ok(results, "dense-auto")["collectives"]["forward"]
     assert [c["kind"] for c in fwd] == [c["kind"] for c in ok(results, "dense-megatron")["collectives"]["forward"]]
 
@@ -175,31 +184,108 @@ def test_checkpointing_repeats_no_collective(results, mode):
     # recompute stops before every all-reduce: backward issues exactly the
     # collectives it issues without checkpointing
     ckpt = ok(results, f"cola-btp-ckpt-{mode}")["collectives"]
-    assert ckpt == ok(results, "cola-btp")["collectives"]
+    assert payloads(ckpt) == payloads(ok(results, "cola-btp")["collectives"])
+
+
+def payloads(collectives):
+    """What each graph sends, in order: kind, shape, dtype, bytes."""
+    return {g: [(c["kind"], c["shape"], c["dtype"], c["bytes"]) for c in cs] for g, cs in collectives.items()}
 
 
 def reduce_bytes(collectives):
     return sum(c["bytes"] for c in collectives if c["kind"] == "all_reduce")
 
 
+#: the vocabulary-parallel cross-entropy's forward collectives: the row maximum [T] and the
+#: sum of exponentials with the target's logit [T, 2], fp32; its backward needs none
+LOSS_FWD = [("all_reduce", [T], T * FP32), ("all_reduce", [T, 2], 2 * T * FP32)]
+
+
+def head_and_loss(collectives):
+    """The head/loss collectives: everything whose payload has a T-sized last dim or T rows of 2."""
+    return [(c["kind"], c["shape"], c["bytes"]) for c in collectives if c["shape"] in ([T], [T, 2])]
+
+
 @pytest.mark.parametrize("name", ["cola-btp", "lowrank-btp"])
 def test_btp_bytes_per_layer(results, name):
     r = ok(results, name)
     cfg = r["config"]
-    n, r_attn, r_mlp = cfg["n_layers"], cfg["rank_attn"], cfg["rank_mlp"]
+    n, r_attn, r_mlp, d = cfg["n_layers"], cfg["rank_attn"], cfg["rank_mlp"], cfg["dim"]
     fwd = r["collectives"]["forward"]
-    # T*(4 r_attn + 3 r_mlp)*e plus the two fp32 norm statistics [T, 1] per layer
+    # T*(4 r_attn + 3 r_mlp)*e plus the two fp32 norm statistics [T, 1] per layer, then the loss's
     expected = T * (4 * r_attn + 3 * r_mlp) * FP32 + 2 * T * FP32
-    assert reduce_bytes(fwd) == n * expected
-    # one all-reduce per norm+group (q/k/v, gate/up) and per o/down down factor
-    assert sum(c["kind"] == "all_reduce" for c in fwd) == 4 * n
+    assert head_and_loss(fwd) == LOSS_FWD and head_and_loss(fwd[-2:]) == LOSS_FWD  # the loss's come last
+    assert [c["source"] for c in fwd[-2:]] == ["cross_entropy"] * 2
+    assert reduce_bytes(fwd) == n * expected + sum(b for _, _, b in LOSS_FWD)
+    # one all-reduce per norm+group (q/k/v, gate/up) and per o/down down factor, two for the loss
+    assert sum(c["kind"] == "all_reduce" for c in fwd) == 4 * n + 2
     # the stream is gathered once before the final norm
     assert [c["kind"] for c in fwd if c["kind"] != "all_reduce"] == ["all_gather_into_tensor"]
-    # backward: the up factors' input gradients, the same [T, r] widths, summed
+    # backward: the vocabulary-parallel head's input gradient [T, d] (partial sums over the
+    # vocabulary slices), then the up factors' input gradients, the same [T, r] widths, summed
     # once per group above the split (q/k/v, gate/up) and once for o and down
     bwd = r["collectives"]["backward"]
-    assert reduce_bytes(bwd) == n * T * (4 * r_attn + 3 * r_mlp) * FP32
-    assert sum(c["kind"] == "all_reduce" for c in bwd) == 4 * n
+    assert head_and_loss(bwd) == []
+    assert (bwd[0]["kind"], bwd[0]["bytes"]) == ("all_reduce", T * d * FP32)
+    assert reduce_bytes(bwd) == n * T * (4 * r_attn + 3 * r_mlp) * FP32 + T * d * FP32
+    assert sum(c["kind"] == "all_reduce" for c in bwd) == 4 * n + 1
+
+
+#: scenarios whose graph holds the loss and whose head is not tied: the cross-entropy becomes the
+#: vocabulary-parallel one (Hugging Face's ForCausalLMLoss included). Meta's Llama returns its
+#: logits (loss outside the model), Phi-3's loss runs outside the captured graph (the graph
+#: returns its logits), and nanoGPT/GPT-2/Gemma tie their heads: none there
+VOCAB_PARALLEL = ["cola-btp", "dense-megatron", "lowrank-btp", "hf-factorized-btp", "cola-btp-vocab255",
+                  "dense-megatron-vocab255", "hf-factorized-btp-vocab255", "hf-qwen2-lowrank-btp",
+                  "hf-qwen2-dense-megatron"]
+
+
+#: Hugging Face models return their logits beside the loss: the caller gets them whole (one
+#: all-gather per step; the loss-only scenario compiles a step that returns the loss alone)
+RETURN_LOGITS = {"hf-factorized-btp", "hf-qwen2-lowrank-btp", "hf-qwen2-dense-megatron"}
+
+
+@pytest.mark.parametrize("name", VOCAB_PARALLEL)
+def test_vocab_parallel_loss(results, name):
+    r = ok(results, name)
+    (check,) = r["check"]["compile"]
+    assert check["vocab_parallel_losses"] == 1
+    assert "1 vocab-parallel cross-entropy" in r["explain_check"][0]
+    # the loss's two [T]-row all-reduces in forward, nothing of the loss in backward, and the
+    # [T, V] logits never all-reduced; gathered (forward only) just where the model returns them
+    assert head_and_loss(r["collectives"]["forward"]) == LOSS_FWD
+    assert head_and_loss(r["collectives"]["backward"]) == []
+    vocab = r["config"]["vocab_size"]
+    logits = [(g, c["kind"]) for g in ("forward", "backward") for c in r["collectives"][g]
+              if c["shape"] and c["shape"][-1] in (vocab, -(-vocab // 2))]
+    assert logits == ([("forward", "all_gather_into_tensor")] if name in RETURN_LOGITS else [])
+
+
+@pytest.mark.parametrize("name", ["meta-llama-lowrank-btp", "meta-llama-dense-megatron", "hf-phi3-lowrank-btp", "hf-phi3-dense-megatron"])
+def test_returned_logits_are_gathered(results, name):
+    # the loss is computed outside the graph from the logits it returns: the head is still
+    # cut on the vocabulary, and the logits are gathered whole for the caller
+    r = ok(results, name)
+    (check,) = r["check"]["compile"]
+    assert check["vocab_parallel_losses"] == 0
+    vocab_half = 256 // 2
+    gathers = [c for c in r["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
+    assert gathers[-1]["shape"][-1] == vocab_half
+
+
+def test_replicated_head_on_request(results):
+    r = ok(results, "cola-btp-replicated-head")
+    (check,) = r["check"]["compile"]
+    assert check["vocab_parallel_losses"] == 0
+    assert head_and_loss(r["collectives"]["forward"]) == [] and head_and_loss(r["collectives"]["backward"]) == []
+
+
+def test_vanilla_loss_parallel(results):
+    # PyTorch's loss-parallel on the vanilla plan: the head's DTensor plan, exact, and no
+    # [T, V] logits gathered
+    r = ok(results, "cola-vanilla-loss-parallel")
+    vocab = r["config"]["vocab_size"]
+    assert not [c for c in r["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor" and c["shape"][-1] * 2 == vocab]
 
 
 def test_btp_separate_norm_statistic(results):
@@ -208,9 +294,9 @@ def test_btp_separate_norm_statistic(results):
     n = r["config"]["n_layers"]
     fwd, fwd_packed = r["collectives"]["forward"], packed["collectives"]["forward"]
     assert reduce_bytes(fwd) == reduce_bytes(fwd_packed)
-    assert sum(c["kind"] == "all_reduce" for c in fwd) == 6 * n
-    stats = [c for c in fwd if c["kind"] == "all_reduce" and c["bytes"] == T * FP32]
-    assert len(stats) == 2 * n
+    assert sum(c["kind"] == "all_reduce" for c in fwd) == 6 * n + len(LOSS_FWD)
+    stats = [c for c in fwd if c["kind"] == "all_reduce" and c["shape"] == [2, 16, 1]]
+    assert len(stats) == 2 * n and all(c["bytes"] == T * FP32 for c in stats)
     assert r["collectives"]["backward"] == packed["collectives"]["backward"]
 
 
@@ -218,15 +304,17 @@ def test_btp_bf16_packing_bytes(results):
     """bf16: packing makes the normed groups' payload fp32; separate keeps it bf16 plus fp32 statistics."""
     packed, separate = ok(results, "cola-btp-bf16"), ok(results, "cola-btp-bf16-separate")
     cfg = packed["config"]
-    n, ra, rm = cfg["n_layers"], cfg["rank_attn"], cfg["rank_mlp"]
-    # q/k/v and gate/up with their statistic in fp32; o and down in bf16
+    n, ra, rm, d = cfg["n_layers"], cfg["rank_attn"], cfg["rank_mlp"], cfg["dim"]
+    # q/k/v and gate/up with their statistic in fp32; o and down in bf16; the loss's
+    # collectives are fp32 (the model upcasts its logits)
     per_layer_packed = T * (3 * ra + 1) * FP32 + T * (2 * rm + 1) * FP32 + T * ra * BF16 + T * rm * BF16
     per_layer_separate = T * (4 * ra + 3 * rm) * BF16 + 2 * T * FP32
-    assert reduce_bytes(packed["collectives"]["forward"]) == n * per_layer_packed
-    assert reduce_bytes(separate["collectives"]["forward"]) == n * per_layer_separate
-    # backward sums the up factors' input gradients in bf16 either way
+    loss = sum(b for _, _, b in LOSS_FWD)
+    assert reduce_bytes(packed["collectives"]["forward"]) == n * per_layer_packed + loss
+    assert reduce_bytes(separate["collectives"]["forward"]) == n * per_layer_separate + loss
+    # backward sums the up factors' input gradients and the head's [T, d] input gradient in bf16 either way
     for r in (packed, separate):
-        assert reduce_bytes(r["collectives"]["backward"]) == n * T * (4 * ra + 3 * rm) * BF16
+        assert reduce_bytes(r["collectives"]["backward"]) == n * T * (4 * ra + 3 * rm) * BF16 + T * d * BF16
 
 
 @pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])

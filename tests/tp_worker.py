@@ -7,6 +7,7 @@ parameter with the reference. Rank 0 writes the measured errors to JSON.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
@@ -39,7 +41,8 @@ def build(kind: str) -> tuple[torch.nn.Module, Any]:
     if kind.startswith("hf"):
         from conftest import tiny_hf_llama
 
-        model = tiny_hf_llama()
+        vocab = kind.partition(":vocab")[2]  # "hf:vocab255": a vocabulary the TP degree does not divide
+        model = tiny_hf_llama(vocab_size=int(vocab) if vocab else 256)
         bc.factorize_(model, bc.FactorizeConfig(rank_ratio=0.25))
         return model, lambda m, t: m(input_ids=t, labels=t).loss
     preset, _, rest = kind.partition(":")
@@ -47,6 +50,8 @@ def build(kind: str) -> tuple[torch.nn.Module, Any]:
     overrides = {"n_kv_heads": int(kv)} if kv else {}
     if extra == "tied":
         overrides["tie_embeddings"] = True
+    elif extra.startswith("vocab"):  # "vocab255": a vocabulary the TP degree does not divide
+        overrides["vocab_size"] = int(extra.removeprefix("vocab"))
     model = Llama(LlamaConfig.preset(preset, **overrides))
     return model, lambda m, t: m(t, t)
 
@@ -61,25 +66,35 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
 
 def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     ref, call = build(sc["model"])
+    ref_call = call
     dtype = getattr(torch, sc.get("dtype", "float32"))
     ref.to(dtype)
     # low precision: the same (rounded) weights in fp32 are the yardstick of both runs' rounding
     ref32 = copy.deepcopy(ref).float() if dtype != torch.float32 else None
     model = copy.deepcopy(ref)
-    tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"])
+    vocab = min(256, getattr(getattr(ref, "config", None), "vocab_size", 256))
+    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"], **sc.get("parallelize", {}))
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"), **sc.get("options", {})})
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
+    if sc.get("loss_only"):  # a compiled step that returns the loss alone: no logits leave the graph
+        compiled = torch.compile(functools.partial(call, model), backend=functools.partial(compile_graph, config=config, recorder=rec))
+        call = lambda m, t: m(t)  # noqa: E731
+    # PyTorch's vocabulary-parallel loss for DTensor logits needs its context around forward and backward
+    loss_context = loss_parallel if sc["plan"] == "vanilla" and sc.get("parallelize", {}).get("vocab_parallel") else contextlib.nullcontext
     opt_ref, opt = (make_optimizer(sc.get("optim", "adamw"), m.parameters()) for m in (ref, model))
     out: dict[str, Any] = {"loss": []}
     for _ in range(sc.get("steps", 3)):
         opt_ref.zero_grad(set_to_none=True)
         opt.zero_grad(set_to_none=True)
-        loss_ref = call(ref, tokens)
+        loss_ref = ref_call(ref, tokens)
         loss_ref.backward()
-        loss = call(compiled, tokens)
-        loss.backward()
+        with loss_context():
+            loss = call(compiled, tokens)
+            loss.backward()
+        if hasattr(loss, "full_tensor"):  # vanilla with PyTorch's loss-parallel: a DTensor loss
+            loss = loss.full_tensor()
         out["loss"].append(rel(loss.detach(), loss_ref.detach()))
         grads = bc.gather_full_grads(model)
         out.setdefault("missing_grads", [n for n, g in grads.items() if g is None])
@@ -87,7 +102,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
             max(rel(grads[n], p.grad) for n, p in ref.named_parameters() if grads[n] is not None)
         )
         if ref32 is not None and "fp32_yardstick" not in out:
-            call(ref32, tokens).backward()
+            ref_call(ref32, tokens).backward()
             exact = dict(ref32.named_parameters())
             out["fp32_yardstick"] = {
                 "tp": max(rel(grads[n], exact[n].grad) for n in exact),
@@ -109,7 +124,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
         for kind in ("forward", "backward")
     }
-    out["config"] = {k: getattr(getattr(ref, "config", None), k, None) for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp")}
+    out["config"] = {k: getattr(getattr(ref, "config", None), k, None) for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp", "vocab_size")}
     return out
 
 

@@ -12,7 +12,16 @@ collectives that Inductor schedules like any other op:
   slice (before a replicated consumer of a d-sharded stream);
 - ``scatter_to_tp``: forward this rank's slice of the last dim, backward
   all-gather (where a replicated tensor meets a d-sharded one: a tied
-  embedding's output entering the sharded stream).
+  embedding's output entering the sharded stream);
+- ``vocab_parallel_cross_entropy``: the cross-entropy of logits sharded on the
+  vocabulary (each rank holds [N, V/p]): the row maximum and the sum of
+  exponentials are all-reduced over [N], the target's logit comes from the rank
+  that owns it; the [N, V] logits never exist on one rank, and the gradient is
+  each rank's own [N, V/p] slice (no collective in backward).
+
+A dim the TP degree does not divide (a vocabulary of 50,257 over 2 ranks) is
+padded to the next multiple: each rank holds ceil(V / p) columns, the last
+rank's tail is padding, which the cross-entropy masks out and a gather drops.
 
 ``tp_sentinel`` marks the input of a parallelized model: the boost backend
 removes it; anywhere else (eager, another backend) it raises, so a sharded model
@@ -63,16 +72,26 @@ class _CopyToTP(torch.autograd.Function):
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1) -> torch.Tensor:
-        ctx.world, ctx.rank, ctx.dim = world, rank, dim
+    def forward(ctx, x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1, size: int = -1) -> torch.Tensor:
+        ctx.world, ctx.rank, ctx.dim, ctx.local = world, rank, dim, x.shape[dim]
         stacked = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), world, group_name))
         # [world * a, ...] -> the ranks' slices side by side on ``dim``
         parts = stacked.view(world, *x.shape)
-        return torch.cat(parts.unbind(0), dim=dim)
+        out = torch.cat(parts.unbind(0), dim=dim)
+        if 0 <= size < out.shape[dim]:  # drop the padding of a dim the TP degree does not divide
+            out = out.narrow(dim, 0, size)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.world, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+        start = ctx.rank * ctx.local
+        real = max(0, min(ctx.local, grad.shape[ctx.dim] - start))
+        mine = grad.narrow(ctx.dim, start, real)
+        if real < ctx.local:  # this rank's padding gets no gradient
+            pad = list(grad.shape)
+            pad[ctx.dim] = ctx.local - real
+            mine = torch.cat([mine, grad.new_zeros(pad)], dim=ctx.dim)
+        return mine.contiguous(), None, None, None, None, None
 
 
 def reduce_from_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -85,9 +104,13 @@ def copy_to_tp(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _CopyToTP.apply(x, group_name)
 
 
-def gather_from_tp(x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1) -> torch.Tensor:
-    """All-gather ``dim`` in forward; keep this rank's slice of the gradient in backward."""
-    return _GatherFromTP.apply(x, group_name, world, rank, dim)
+def gather_from_tp(x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1, size: int = -1) -> torch.Tensor:
+    """All-gather ``dim`` in forward; keep this rank's slice of the gradient in backward.
+
+    ``size``: the whole size of ``dim`` when the shards are padded (the gathered
+    tensor is cut to it); -1 when the TP degree divides it.
+    """
+    return _GatherFromTP.apply(x, group_name, world, rank, dim, size)
 
 
 def group_name_of(group: dist.ProcessGroup) -> str:
@@ -110,15 +133,107 @@ def scatter_to_tp(x: torch.Tensor, group_name: str, world: int, rank: int) -> to
     return _ScatterToTP.apply(x, group_name, world, rank)
 
 
-def full_shape(local: Sequence[int], dim: int, world: int) -> list[int]:
-    """The unsharded shape of a shard cut on ``dim`` over ``world`` ranks."""
+def _all_reduce_op(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), op, group_name))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of [N, V/p] logit shards against [N] targets over the whole vocabulary.
+
+    Forward: the global row maximum (all-reduce max of [N]), then one all-reduce of
+    [N, 2]: each rank's sum of exponentials and the target's shifted logit (zero on
+    the ranks that do not own it). Backward: softmax minus the one-hot target, on
+    each rank's own columns; it needs no collective.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, group_name, world, rank, vocab, ignore_index, reduction):
+        local = logits.shape[-1]
+        start = rank * local
+        x = _masked_logits(logits, start, vocab)
+        row_max = _all_reduce_op(x.amax(-1), "max", group_name)
+        shifted = x - row_max.unsqueeze(-1)
+        owned = (target >= start) & (target < start + local)
+        index = (target - start).clamp(0, local - 1)
+        picked = torch.where(owned, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
+        summed = _all_reduce_op(torch.stack([shifted.exp().sum(-1), picked], -1), "sum", group_name)
+        sum_exp, target_logit = summed.unbind(-1)
+        valid = target != ignore_index
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
+        # the collectives' own outputs are what backward reads: a partitioner that finds the
+        # forward recomputable from saved tensors then has no reason to repeat a collective
+        ctx.save_for_backward(logits, target, row_max, summed)
+        ctx.reduction, ctx.start, ctx.vocab, ctx.ignore_index = reduction, start, vocab, ignore_index
+        if reduction == "none":
+            return loss.to(logits.dtype)
+        total = loss.sum()
+        if reduction == "mean":
+            total = total / valid.sum()
+        return total.to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target, row_max, summed = ctx.saved_tensors
+        local = logits.shape[-1]
+        probs = (_masked_logits(logits, ctx.start, ctx.vocab) - row_max.unsqueeze(-1)).exp() / summed[..., :1]
+        valid = target != ctx.ignore_index
+        hit = valid & (target >= ctx.start) & (target < ctx.start + local)
+        index = (target - ctx.start).clamp(0, local - 1)
+        grad = grad.float()
+        if ctx.reduction == "none":
+            per_row = grad
+        elif ctx.reduction == "mean":
+            per_row = (grad / valid.sum()).expand(valid.shape)
+        else:
+            per_row = grad.expand(valid.shape)
+        per_row = torch.where(valid, per_row, 0.0)
+        one_hot = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), hit.to(probs.dtype).unsqueeze(-1))
+        grad_logits = (probs - one_hot) * per_row.unsqueeze(-1)
+        return grad_logits.to(logits.dtype), None, None, None, None, None, None, None
+
+
+def _masked_logits(logits: torch.Tensor, start: int, vocab: int) -> torch.Tensor:
+    """fp32 logits with the padded columns (global index >= vocab) at -inf."""
+    x = logits.float()
+    if start + logits.shape[-1] > vocab:
+        cols = torch.arange(start, start + logits.shape[-1], device=x.device)
+        x = x.masked_fill(cols >= vocab, float("-inf"))
+    return x
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group_name: str,
+    world: int,
+    rank: int,
+    vocab: int,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``F.cross_entropy(whole_logits, target)`` from this rank's [N, ceil(V/p)] slice of the logits.
+
+    ``vocab``: the whole vocabulary size (columns past it are padding).
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}")
+    return _VocabParallelCrossEntropy.apply(logits, target, group_name, world, rank, vocab, ignore_index, reduction)
+
+
+def full_shape(local: Sequence[int], dim: int, world: int, size: int = -1) -> list[int]:
+    """The unsharded shape of a shard cut on ``dim`` over ``world`` ranks (``size``: a padded dim's whole size)."""
     shape = list(local)
-    shape[dim] *= world
+    shape[dim] = size if size >= 0 else shape[dim] * world
     return shape
 
 
+def local_size(size: int, world: int) -> int:
+    """A rank's share of a dim of ``size``: ceil(size / world), the last rank's tail padded."""
+    return -(-size // world)
+
+
 @torch.library.custom_op("boost::tp_full_view", mutates_args=())
-def tp_full_view(x: torch.Tensor, dim: int, world: int, plan: str) -> torch.Tensor:
+def tp_full_view(x: torch.Tensor, dim: int, world: int, plan: str, size: int = -1) -> torch.Tensor:
     raise RuntimeError(
         f"this model was parallelized with plan {plan!r}: its parameters are shards, and "
         "only the boost backend turns the model's code into the per-rank program that "
@@ -127,18 +242,18 @@ def tp_full_view(x: torch.Tensor, dim: int, world: int, plan: str) -> torch.Tens
 
 
 @tp_full_view.register_fake
-def _(x: torch.Tensor, dim: int, world: int, plan: str) -> torch.Tensor:
-    return x.new_empty(full_shape(x.shape, dim, world))
+def _(x: torch.Tensor, dim: int, world: int, plan: str, size: int = -1) -> torch.Tensor:
+    return x.new_empty(full_shape(x.shape, dim, world, size))
 
 
 def _full_view_backward(ctx, grad: torch.Tensor):
     # never runs: tp_localize removes the op before autograd sees the graph; this
     # lets another backend trace it, so that it reaches the runtime error above
-    return grad.narrow(ctx.dim, 0, grad.shape[ctx.dim] // ctx.world), None, None, None
+    return grad.narrow(ctx.dim, 0, ctx.local), None, None, None, None
 
 
 def _full_view_setup(ctx, inputs, output) -> None:
-    ctx.dim, ctx.world = inputs[1], inputs[2]
+    ctx.dim, ctx.local = inputs[1], inputs[0].shape[inputs[1]]
 
 
 tp_full_view.register_autograd(_full_view_backward, setup_context=_full_view_setup)

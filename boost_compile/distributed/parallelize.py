@@ -12,11 +12,17 @@ Plans (BOOST.md section 2):
   column-parallel (identity forward, [T, r] all-reduce of its input gradient);
   attention runs on local heads, the MLP on local d_ff slices; block norms hold
   d/p of their weight and get their statistic through the next all-reduce
-  (online RMSNorm). The stream is all-gathered once before the final norm; the
-  final norm, the output head and the loss are replicated (each rank computes the
-  same logits; their gradients need no collective).
+  (online RMSNorm). The stream is all-gathered once before the final norm,
+  which is replicated.
 - ``"megatron"``: dense blocks; q/k/v/gate/up column-parallel, o/down row-parallel,
-  everything else replicated.
+  the embedding and the final norm replicated.
+
+Under both, the output head is vocabulary-parallel (``vocab_parallel=True``): its
+weight is cut on V (column-parallel; a vocabulary the TP degree does not divide
+is padded), each rank computes its [T, V/p] logits, and a cross-entropy in the
+graph becomes ``vocab_parallel_cross_entropy`` (all-reduces of [T] only); logits
+the model returns are gathered. A head tied to the embedding stays whole on
+every rank, as with ``vocab_parallel=False``.
 - ``"vanilla"``: the baseline for low-rank models: each factor pair is its own
   Megatron chunk (down column-parallel on r, up row-parallel on r), written with
   PyTorch's DTensor ``parallelize_module``; attention runs unsharded.
@@ -45,7 +51,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from boost_compile.analysis import GraphView, capture_views
-from boost_compile.distributed.collectives import tp_full_view, tp_sentinel
+from boost_compile.distributed.collectives import local_size, tp_full_view, tp_sentinel
 
 log = logging.getLogger("boost_compile")
 
@@ -66,6 +72,9 @@ class ShardSpec:
     ``sections``: the whole sizes of the parts a fused weight's output is split
     into (nanoGPT's ``c_attn`` -> q, k, v); each part is cut separately, so a
     rank holds ``[q_r | k_r | v_r]``.
+    ``size``: the whole size of ``dim`` when the TP degree does not divide it (a
+    vocabulary): each rank holds ceil(size / world), the last rank's tail zeros.
+    ``head``: the output head's weight or bias, cut on the vocabulary.
     """
 
     role: str
@@ -75,6 +84,8 @@ class ShardSpec:
     rank: int
     plan: str
     sections: tuple[int, ...] | None = None
+    size: int | None = None
+    head: bool = False
 
 
 @dataclass
@@ -149,6 +160,7 @@ class _Roles:
     dense: list[tuple[str, str, str]]  # (weight, layout, "row"|"col")
     biases: dict[str, str]  # weight -> bias
     sections: dict[str, tuple[int, ...]]  # column-parallel weight -> whole sizes of its output's split
+    heads: list[tuple[str, str, str | None]]  # untied output heads: (weight, layout, bias)
 
 
 def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
@@ -188,7 +200,29 @@ def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> _Roles:
         if role == "col" and (parts := _split_sections(site.node)) is not None:
             sections[site.param_name] = parts
     biases = {s.param_name: names[s.bias] for s in view.linears if s.bias is not None and s.bias in names}
-    return _Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections)
+    after = view.descendants(stream[-1])
+    heads = [
+        (s.param_name, s.layout, biases.get(s.param_name))
+        for s in view.linears
+        if s.param_name and s.node in after and not view.in_block(s) and _read_only_by(s.weight, s.node, names)
+    ]
+    return _Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections, heads)
+
+
+def _read_only_by(weight: fx.Node, gemm: fx.Node, names: dict[fx.Node, str]) -> bool:
+    """Whether the parameter behind ``weight`` (possibly through ``.t()``) feeds ``gemm`` alone:
+    a head tied to the embedding does not."""
+    param = weight
+    while param not in names:
+        if len(param.all_input_nodes) != 1:
+            return False
+        param = param.all_input_nodes[0]
+    node = param
+    while node is not gemm:
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+    return True
 
 
 def _last_dim_slice(node: fx.Node) -> slice | None:
@@ -291,8 +325,17 @@ def parallelize_(
     example_inputs: Sequence[Any],
     tp: Any,
     plan: str = "auto",
+    vocab_parallel: bool | None = None,
 ) -> TPReport:
-    """Shard ``model`` in place for tensor parallelism over ``tp`` (a DeviceMesh or ProcessGroup)."""
+    """Shard ``model`` in place for tensor parallelism over ``tp`` (a DeviceMesh or ProcessGroup).
+
+    ``vocab_parallel``: cut the (untied) output head on the vocabulary. The default
+    (None) is True for btp and megatron, whose compiled graph gets the
+    vocabulary-parallel cross-entropy, and False for vanilla: there True gives
+    PyTorch's own layout (the head ``ColwiseParallel`` with logits a DTensor
+    sharded on V), which needs the caller to run the forward and backward under
+    ``torch.distributed.tensor.parallel.loss_parallel()`` and returns a DTensor loss.
+    """
     if not dist.is_initialized():
         raise ParallelizeError("torch.distributed is not initialised (call init_process_group first)")
     group = _group_of(tp)
@@ -316,11 +359,12 @@ def parallelize_(
     if plan == "megatron" and roles.chains:
         raise ParallelizeError("plan megatron is for dense blocks; this model has bottlenecks (use btp or vanilla)")
     if plan == "vanilla":
-        return _vanilla(model, roles, tp, group, world)
+        return _vanilla(model, roles, tp, group, world, bool(vocab_parallel))
+    vocab_parallel = True if vocab_parallel is None else vocab_parallel
 
-    def spec(role: str, dim: int | None, weight: str | None = None) -> ShardSpec:
+    def spec(role: str, dim: int | None, weight: str | None = None, size: int | None = None, head: bool = False) -> ShardSpec:
         parts = roles.sections.get(weight) if weight is not None else None
-        return ShardSpec(role, dim, group.group_name, world, rank, plan, parts)
+        return ShardSpec(role, dim, group.group_name, world, rank, plan, parts, size, head)
 
     specs: dict[str, ShardSpec] = {}
     if plan == "btp":
@@ -342,15 +386,23 @@ def parallelize_(
                 specs[roles.biases[weight]] = spec("shard", 0, weight) if role == "col" else spec("replicate", None)
 
     params = dict(model.named_parameters())
+    if vocab_parallel:
+        for weight, layout, bias in roles.heads:
+            dim = _gemm_dim(layout, "col")
+            vocab = params[weight].shape[dim]
+            padded = vocab if vocab % world else None
+            specs[weight] = spec("col", dim, size=padded, head=True)
+            if bias is not None:
+                specs[bias] = spec("shard", 0, size=padded, head=True)
     aliases = _aliases(model)
     for name, s in specs.items():
         p = params[name]
         if s.dim is not None:
-            if p.shape[s.dim] % world or any(part % world for part in s.sections or ()):
+            if (p.shape[s.dim] % world and s.size is None) or any(part % world for part in s.sections or ()):
                 sizes = f" (parts {list(s.sections)})" if s.sections else ""
                 raise ParallelizeError(f"{name}: dim {s.dim} of {tuple(p.shape)}{sizes} is not divisible by {world}")
             with torch.no_grad():
-                p.data = shard_tensor(p.data, s.dim, world, rank, s.sections)
+                p.data = shard_tensor(p.data, s.dim, world, rank, s.sections, s.size is not None)
             for alias in aliases[id(p)]:
                 _show_whole(model, alias, s, plan)
         p._boost_tp = s  # read by the backend's tp_localize and tp_collectives passes
@@ -401,8 +453,18 @@ def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
     return reports[0]
 
 
-def shard_tensor(t: torch.Tensor, dim: int, world: int, rank: int, sections: Sequence[int] | None = None) -> torch.Tensor:
-    """This rank's slice of ``t`` on ``dim``; with ``sections``, its slice of each part."""
+def shard_tensor(
+    t: torch.Tensor, dim: int, world: int, rank: int, sections: Sequence[int] | None = None, pad: bool = False
+) -> torch.Tensor:
+    """This rank's slice of ``t`` on ``dim``; with ``sections``, its slice of each part; with
+    ``pad``, ``dim`` is first padded with zeros to a multiple of ``world``."""
+    if pad:
+        local = local_size(t.shape[dim], world)
+        start = min(rank * local, t.shape[dim])
+        mine = t.narrow(dim, start, min(local, t.shape[dim] - start))
+        shape = list(t.shape)
+        shape[dim] = local - mine.shape[dim]
+        return torch.cat([mine, t.new_zeros(shape)], dim=dim).contiguous()
     if not sections:
         return t.chunk(world, dim=dim)[rank].clone()
     return torch.cat([part.chunk(world, dim=dim)[rank] for part in t.split(list(sections), dim=dim)], dim=dim)
@@ -430,12 +492,12 @@ def _show_whole(model: nn.Module, name: str, spec: ShardSpec, plan: str) -> None
     if not getattr(cls, "_boost_full_view", False):
         cls = type(cls.__name__, (cls,), {"_boost_full_view": True, "__module__": cls.__module__})
         owner.__class__ = cls
-    dim, world = spec.dim, spec.world
+    dim, world, size = spec.dim, spec.world, -1 if spec.size is None else spec.size
 
     def read(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[attr]
         if torch.compiler.is_compiling():
-            return tp_full_view(shard, dim, world, plan)
+            return tp_full_view(shard, dim, world, plan, size)
         return shard
 
     setattr(cls, attr, property(read))
@@ -453,7 +515,7 @@ def _sentinel_hook(plan: str):
     return hook
 
 
-def _vanilla(model: nn.Module, roles: _Roles, tp: Any, group: dist.ProcessGroup, world: int) -> TPReport:
+def _vanilla(model: nn.Module, roles: _Roles, tp: Any, group: dist.ProcessGroup, world: int, vocab_parallel: bool) -> TPReport:
     """Each factor pair as its own Megatron chunk, with PyTorch's DTensor plans."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import (
@@ -468,6 +530,13 @@ def _vanilla(model: nn.Module, roles: _Roles, tp: Any, group: dist.ProcessGroup,
     if mesh.ndim != 1:
         mesh = mesh["tp"]
     layout_plan: dict[str, Any] = {}
+    if vocab_parallel:  # PyTorch's loss-parallel layout: logits stay a DTensor sharded on V
+        from torch.distributed.tensor import Shard
+
+        for weight, layout, _bias in roles.heads:
+            if layout != "out_in":
+                raise ParallelizeError(f"plan vanilla with vocab_parallel needs the head {weight} as an nn.Linear")
+            layout_plan[weight.rsplit(".", 1)[0]] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     for down, down_layout, up, up_layout in roles.chains:
         if down_layout != "out_in" or up_layout != "out_in":
             raise ParallelizeError("plan vanilla needs the factors as nn.Linear modules")
@@ -491,6 +560,8 @@ def full_tensor(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     group = dist.distributed_c10d._resolve_process_group(spec.group_name)
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
+    if spec.size is not None:  # a padded dim: drop the padding
+        return torch.cat(parts, dim=spec.dim).narrow(spec.dim, 0, spec.size).clone()
     if not spec.sections:
         return torch.cat(parts, dim=spec.dim)
     local = [size // spec.world for size in spec.sections]

@@ -123,6 +123,12 @@ class Checkpointer:
                     f"{name}: checkpointing a fused weight sharded part by part (parts {list(spec.sections)}) "
                     "is not supported; use separate q/k/v projections, or parallel.tp=1"
                 )
+            if spec.size is not None:
+                # a padded vocabulary shard: DCP's Shard layout has no room for the padding
+                raise NotImplementedError(
+                    f"{name}: checkpointing a head padded to a multiple of the TP degree (vocabulary {spec.size}) "
+                    "is not supported; use a vocabulary the TP degree divides (boost-train rounds it up to 64)"
+                )
             return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False)
 
         model_sd = {name: wrap(name, t) for name, t in model_sd.items()}

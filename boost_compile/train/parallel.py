@@ -122,6 +122,8 @@ def global_numel(p: torch.Tensor, dev: Dist) -> int:
     """Elements of the whole parameter, whether or not this rank holds only a TP shard."""
     spec = getattr(p, "_boost_tp", None)
     if not is_dtensor(p) and spec is not None and spec.dim is not None:
+        if spec.size is not None:  # a padded vocabulary: count the real rows only
+            return p.numel() // p.shape[spec.dim] * spec.size
         return p.numel() * dev.tp
     return p.numel()
 
