@@ -139,21 +139,29 @@ class Explanation:
         return lines
 
     def _collective_table(self, g: GraphRecord) -> list[str]:
+        from boost_compile.passes.collective_census import in_blocks
+
         census = [r for r in g.aten_reports if r.name == "collective_census"]
         if not any(r.details["collectives"] for r in census):
             return []
         layers = max(1, (len(g.view.residual_stream) - 1) // 2) if g.view is not None else 1
-        lines = ["### Collectives", "", "| graph | kind | shape | dtype | bytes |", "|---|---|---|---|---:|"]
+        lines = ["### Collectives", "", "| graph | kind | shape | dtype | bytes | from |", "|---|---|---|---|---:|---|"]
         for r in census:
             for c in r.details["collectives"]:
-                lines.append(f"| {r.details['graph']} | {c['kind']} | {c['shape']} | {c['dtype']} | {c['bytes']:,} |")
+                origin = " / ".join(x for x in (c.get("module") or "(model)", c.get("source")) if x)
+                lines.append(f"| {r.details['graph']} | {c['kind']} | {c['shape']} | {c['dtype']} | {c['bytes']:,} | {origin} |")
         lines.append("")
         for r in census:
             reduce_bytes = sum(c["bytes"] or 0 for c in r.details["collectives"] if c["kind"] == "all_reduce")
+            outside = [c for c in r.details["collectives"] if not in_blocks(c.get("module") or "")]
             lines.append(
                 f"- {r.details['graph']}: {len(r.details['collectives'])} collectives, "
                 f"{r.details['total_bytes']:,} bytes; all-reduce bytes per layer ({layers} layers): {reduce_bytes // layers:,}"
             )
+            if outside:
+                what = ", ".join(f"{c['kind']} {c['shape']} {c['bytes']:,} B" + (f" ({c['source']})" if c.get("source") else "") for c in outside)
+                lines.append(f"  - outside the blocks (embedding, final norm, head, loss): {len(outside)} collectives, "
+                             f"{sum(c['bytes'] or 0 for c in outside):,} bytes: {what}")
         return lines + [""]
 
     def _op_table(self, g: GraphRecord) -> list[str]:

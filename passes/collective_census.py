@@ -3,12 +3,17 @@
 Pattern: every ``_c10d_functional`` collective node (all_reduce, all_gather_into_tensor,
 reduce_scatter_tensor, all_to_all_single); ``wait_tensor`` is not a collective.
 For each: kind, shape, dtype and bytes of the tensor it sends, read from the
-node's ``val`` metadata. ``explain`` prints them per graph with totals, and the
-tensor-parallel tests check the bytes per layer against the formulas of BOOST.md.
+node's ``val`` metadata, and where it comes from: the module (``nn_module_stack``,
+or for a backward collective the forward module it differentiates) and, in the
+forward graph, the Torch-IR node that made it (``from_node``: ``cross_entropy``
+for the vocabulary-parallel loss, ``gather_from_tp``, ``reduce_from_tp_3``, ...).
+``explain`` prints them per graph with totals, and the tensor-parallel tests
+check the bytes per layer against the formulas of BOOST.md.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -33,8 +38,40 @@ def collectives_of(graph: fx.Graph) -> list[dict[str, Any]]:
         val = src.meta.get("val") if isinstance(src, fx.Node) else None
         shape = tuple(int(s) for s in val.shape) if val is not None else None
         nbytes = val.numel() * val.element_size() if val is not None else None
-        found.append({"kind": target._opname, "shape": shape, "dtype": str(val.dtype) if val is not None else None, "bytes": nbytes})
+        found.append({
+            "kind": target._opname, "shape": shape, "dtype": str(val.dtype) if val is not None else None,
+            "bytes": nbytes, "module": module_of(node), "source": source_of(node),
+        })
     return found
+
+
+_BLOCK_INDEX = re.compile(r"\.\d+(\.|$)")
+
+
+def in_blocks(module: str) -> bool:
+    """Whether a module path lies inside a repeated block (``layers.3.mlp``)."""
+    return bool(_BLOCK_INDEX.search(module))
+
+
+def module_of(node: fx.Node) -> str:
+    """The module a collective belongs to: its own, or in backward the forward one's."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules", "").strip(".")
+
+
+def source_of(node: fx.Node) -> str:
+    """The Torch-IR node a forward collective was traced from (empty in backward)."""
+    sources = node.meta.get("from_node") or []
+    while sources:
+        src = sources[-1]
+        if not getattr(src, "from_node", None):
+            return str(src.name)
+        sources = src.from_node
+    return ""
 
 
 class CollectiveCensusPass(AtenPass):
