@@ -37,7 +37,9 @@ The ``tp_sentinel`` that guards the model's input is removed here.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,12 +88,14 @@ class TPCollectivesPass(TPPass):
             if users and all(u in row and u.args[0] is site.output for u in users):
                 separate = self.config.tp.norm_statistic == "separate"
                 for u in users:
-                    _online_rmsnorm(graph, site, u, row[u], separate)
+                    with _provenance(graph, site.output):
+                        _online_rmsnorm(graph, site, u, row[u], separate)
                     done.add(u)
                     collectives += 2 if separate else 1
                 report.rewritten.append(f"rmsnorm {name} (online, in the GEMM's all-reduce)")
             else:
-                _stat_all_reduce_rmsnorm(graph, site, _spec_of_site(site, specs, row))
+                with _provenance(graph, site.output):
+                    _stat_all_reduce_rmsnorm(graph, site, _spec_of_site(site, specs, row))
                 collectives += 1
                 report.rewritten.append(f"rmsnorm {name} (own statistic all-reduce)")
 
@@ -129,6 +133,21 @@ class TPCollectivesPass(TPPass):
         report.details = {"plan": next(iter(specs.values())).plan if specs else None, "collectives": collectives}
         graph.eliminate_dead_code()
         return report
+
+
+_PROVENANCE = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+@contextlib.contextmanager
+def _provenance(graph: fx.Graph, origin: fx.Node) -> Iterator[None]:
+    """Nodes created inside take ``origin``'s module and source line (explain's "from" column)."""
+    before = set(graph.nodes)
+    meta = {k: origin.meta[k] for k in _PROVENANCE if k in origin.meta}
+    yield
+    for node in graph.nodes:
+        if node not in before:
+            for k, v in meta.items():
+                node.meta.setdefault(k, v)
 
 
 #: ops with one tensor input that every rank computes alike on a replicated

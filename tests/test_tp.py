@@ -261,6 +261,19 @@ def test_vocab_parallel_loss(results, name):
     assert logits == ([("forward", "all_gather_into_tensor")] if name in RETURN_LOGITS else [])
 
 
+def test_explain_lists_head_and_loss_collectives(results):
+    # forward: the stream's gather before the final norm and the loss's two all-reduces, named by
+    # the op they come from; backward: the head's [T, d] input gradient (module: the final norm,
+    # whose output the head reads)
+    r = ok(results, "cola-btp")
+    d = r["config"]["dim"]
+    fwd, bwd = r["explain_outside"]
+    gather = T * d // 2 * FP32
+    assert fwd.startswith(f"- outside the blocks (embedding, final norm, head, loss): 3 collectives, {gather + 3 * T * FP32:,} bytes")
+    assert f"all_reduce (32,) {T * FP32:,} B (cross_entropy)" in fwd and "(gather_from_tp)" in fwd
+    assert bwd.startswith(f"- outside the blocks (embedding, final norm, head, loss): 1 collectives, {T * d * FP32:,} bytes")
+
+
 @pytest.mark.parametrize("name", ["meta-llama-lowrank-btp", "meta-llama-dense-megatron", "hf-phi3-lowrank-btp", "hf-phi3-dense-megatron"])
 def test_returned_logits_are_gathered(results, name):
     # the loss is computed outside the graph from the logits it returns: the head is still

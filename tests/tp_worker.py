@@ -115,6 +115,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     out["graphs"] = len(rec.graphs)
     explained = str(Explanation(config, rec.graphs)).splitlines()
     out["explain_check"] = [line for line in explained if "sharding-consistency check" in line]
+    out["explain_outside"] = [line.strip() for line in explained if "outside the blocks" in line]
     if report.check is not None:  # btp/megatron: the sharding-consistency check, at parallelize_ and at compile
         localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
         out["check"] = {"parallelize": report.check.details, "compile": [r.details for r in localize],
