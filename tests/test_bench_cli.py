@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
-from boost_compile.bench import cli, report
+from boost_compile.bench import cli, profile, report, tp
 from boost_compile.bench.results import Result, Target, load, save
 
 
@@ -120,18 +121,148 @@ def test_memory_on_tiny(tmp_path):
     json.loads((tmp_path / "memory.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def tp_tiny(tmp_path_factory):
+    """One ``boost-bench tp --profile`` run at tiny size, shared by the tests that read it."""
+    out = tmp_path_factory.mktemp("tp")
+    cli.main(["tp", "--size", "tiny", "--seq", "16", "--repeats", "1", "--warmup", "0", "--inner", "aot_eager",
+              "--profile", "--out", str(out)])
+    return out, load(str(out), "tp")
+
+
 @pytest.mark.slow
-def test_tp_on_tiny(tmp_path):
-    cli.main(["tp", "--size", "tiny", "--seq", "16", "--repeats", "1", "--warmup", "0", "--inner", "aot_eager", "--out", str(tmp_path)])
-    r = load(str(tmp_path), "tp")
+def test_tp_on_tiny(tp_tiny):
+    tmp_path, r = tp_tiny
     v = r.data["variants"]
     btp, dense, vanilla = v["CoLA, btp"], v["dense, megatron"], v["CoLA, vanilla (DTensor)"]
     n = btp["layers"]
-    # btp: one all-reduce per norm+group and per o/down, both ways, plus the gather before the final norm
-    assert btp["collectives"] == {"forward": 4 * n + 1, "backward": 4 * n}
-    # megatron: after attention and after the MLP, both ways
-    assert dense["collectives"] == {"forward": 2 * n, "backward": 2 * n}
+    # btp: one all-reduce per norm+group and per o/down, both ways, plus the gather before the final
+    # norm; the vocabulary-parallel loss's two [T]-row all-reduces forward, the head's input
+    # gradient backward
+    assert btp["collectives"] == {"forward": 4 * n + 1 + 2, "backward": 4 * n + 1}
+    # megatron: after attention and after the MLP, both ways, plus the same head and loss
+    assert dense["collectives"] == {"forward": 2 * n + 2, "backward": 2 * n + 1}
     total = {k: x["bytes"]["forward"] + x["bytes"]["backward"] for k, x in v.items()}
     assert dense["btp_bytes_ratio"] == pytest.approx(total["CoLA, btp"] / total["dense, megatron"])
     assert vanilla["btp_speedup"] == pytest.approx(vanilla["step_s"] / btp["step_s"])
     assert (tmp_path / "tp.png").exists()
+
+
+@pytest.mark.slow
+def test_tp_scaling_against_one_process(tp_tiny):
+    _out, r = tp_tiny
+    v, single, s = r.data["variants"], r.data["single"], r.data["scaling"]
+    assert list(single) == ["dense, 1 process", "CoLA, 1 process"]
+    dense1, cola1 = single["dense, 1 process"]["step_s"], single["CoLA, 1 process"]["step_s"]
+    # each TP variant against half the 1-process step of its own family
+    for label, base in (("dense, megatron", dense1), ("CoLA, vanilla (DTensor)", cola1), ("CoLA, btp", cola1)):
+        assert v[label]["single_s"] == base
+        assert v[label]["perfect_s"] == pytest.approx(base / 2)
+        assert v[label]["x_of_perfect"] == pytest.approx(v[label]["step_s"] / (base / 2))
+    btp, megatron, vanilla = (v[k]["step_s"] for k in ("CoLA, btp", "dense, megatron", "CoLA, vanilla (DTensor)"))
+    assert s["single_cola_over_dense"] == pytest.approx(cola1 / dense1)
+    assert s["single_dense_over_cola"] == pytest.approx(dense1 / cola1)
+    assert s["btp_speedup_over_megatron"] == pytest.approx(megatron / btp)
+    assert s["btp_speedup_over_megatron_per_single_ratio"] == pytest.approx((megatron / btp) / (dense1 / cola1))
+    assert s["btp_speedup_over_vanilla"] == pytest.approx(vanilla / btp)
+    assert s["btp_x_of_perfect"] == v["CoLA, btp"]["x_of_perfect"]
+    assert r.targets == []  # the targets are for 60m at seq 1024 only
+    md = r.markdown()
+    assert "vocab 256 (--vocab 256)" in md
+    assert "| x of perfect scaling |" in md and "| dense, 1 process |" in md and "| CoLA, 1 process |" in md
+    assert "btp speed-up over dense megatron / 1-process dense:CoLA ratio" in md
+
+
+@pytest.mark.slow
+def test_tp_profile_categories(tp_tiny):
+    _out, r = tp_tiny
+    prof = r.data["profile"]
+    assert list(prof) == ["dense, megatron", "CoLA, vanilla (DTensor)", "CoLA, btp"]
+    for label, p in prof.items():
+        assert list(p["ms"]) == list(profile.CATEGORIES)
+        assert p["total_ms"] == pytest.approx(sum(p["ms"].values()))
+        for c, ms in p["ms"].items():
+            assert p["percent"][c] == pytest.approx(100 * ms / p["step_ms"])
+        # every variant does GEMMs, attention, waits on collectives and has a head (found by its shapes)
+        for c in (profile.GEMMS, profile.ATTENTION, profile.COLLECTIVES, profile.HEAD):
+            assert p["ms"][c] > 0, (label, c)
+        assert f"| {label} | " in r.markdown()
+    assert "| variant | GEMMs | attention | norms+elementwise | collectives waited on | head+loss | other |" in r.markdown()
+
+
+def _ev(name: str, us: float, shapes: list | None = None) -> SimpleNamespace:
+    return SimpleNamespace(name=name, self_cpu_time_total=us, input_shapes=shapes or [])
+
+
+def test_categorize_self_time_by_category():
+    tokens, dim, vocab = 32, 64, 128
+    events = [
+        _ev("aten::linear", 0.0, [[2, 16, 64], [48, 64]]),  # its time is its child mm's
+        _ev("aten::mm", 1000.0, [[32, 64], [64, 48], [32, 48]]),
+        _ev("aten::addmm", 500.0, [[48], [32, 64], [64, 48], [], []]),
+        _ev("aten::mm", 300.0, [[32, 64], [64, 128]]),  # head forward
+        _ev("aten::mm", 200.0, [[128, 32], [32, 64]]),  # head weight gradient
+        _ev("aten::_scaled_dot_product_flash_attention_for_cpu", 400.0, [[2, 4, 16, 16]] * 3),
+        _ev("aten::_scaled_dot_product_flash_attention_for_cpu_backward", 100.0),
+        _ev("graph_0_cpp_fused_add_mul_rsqrt_3", 250.0),
+        _ev("graph_0_cpp_fused_all_reduce_silu_backward_view_2", 50.0),  # a kernel, not a collective
+        _ev("aten::mul", 100.0, [[32, 64], [32, 64]]),
+        _ev("aten::sum", 20.0, [[32, 64], [], [], []]),
+        _ev("boost::rms_norm", 30.0, [[32, 64], [64]]),
+        _ev("_c10d_functional::wait_tensor", 2000.0, [[32, 64]]),
+        _ev("c10d::allreduce_", 700.0),
+        _ev("gloo:all_reduce", 0.0, [[32, 64]]),
+        _ev("aten::_log_softmax", 80.0, [[32, 128], [], []]),
+        _ev("aten::nll_loss_forward", 10.0),
+        _ev("graph_0_cpp_fused_bitwise_and_clamp_exp_gather_ge_lt_ne_3", 40.0),  # nll_loss, decomposed
+        _ev("graph_0_cpp_fused_div_exp_expand_mul_scalar_tensor_scatter_sub_4", 60.0),  # and its backward
+        _ev("graph_0_cpp_fused_add_slice_scatter_5", 15.0),  # a functionalized slice write, not the loss
+        _ev("graph_0_cpp_fused__unsafe_view_add_all_gather_into_tensor_14", 5.0),  # nor a collective's neighbour
+        _ev("## Call CompiledFxGraph None ##", 600.0),
+        _ev("aten::copy_", 5.0, [[32, 64], [32, 64], []]),
+    ]
+    ms = profile.categorize(events, vocab, dim, tokens)
+    assert list(ms) == list(profile.CATEGORIES)
+    assert ms == pytest.approx({
+        profile.GEMMS: 1.5,
+        profile.ATTENTION: 0.5,
+        profile.ELEMENTWISE: 0.47,
+        profile.COLLECTIVES: 2.7,
+        profile.HEAD: 0.69,
+        profile.OTHER: 0.605,
+    })
+    assert sum(ms.values()) == pytest.approx(sum(e.self_cpu_time_total for e in events) / 1e3)
+    # without dim and tokens: any GEMM with the vocabulary among its input dims is the head
+    assert profile.categorize(events, vocab) == pytest.approx(ms)
+    assert profile.categorize([], vocab) == dict.fromkeys(profile.CATEGORIES, 0.0)
+
+
+def test_head_gemm_needs_the_heads_shape_when_tokens_equal_the_vocab():
+    # 128 tokens per step and a 128-wide vocabulary shard: a [T, d] x [d, d] GEMM has 128 in its shapes
+    block = _ev("aten::mm", 100.0, [[128, 64], [64, 64], [128, 64]])
+    head = _ev("aten::mm", 100.0, [[128, 128], [128, 64], [128, 64]])
+    exact = profile.categorize([block, head], vocab=128, dim=64, tokens=128)
+    assert exact[profile.GEMMS] == pytest.approx(0.1) and exact[profile.HEAD] == pytest.approx(0.1)
+    assert profile.categorize([block, head], vocab=128)[profile.HEAD] == pytest.approx(0.2)
+
+
+def test_tp_targets_for_60m_at_seq_1024_at_any_vocab():
+    def variant(step_s: float, total_bytes: int) -> dict:
+        return {"step_s": step_s, "times_s": [step_s], "tokens": 4096, "bytes": {"forward": total_bytes, "backward": total_bytes},
+                "collectives": {"forward": 1, "backward": 1}}
+
+    variants = {"dense, megatron": variant(3.0, 100), "CoLA, vanilla (DTensor)": variant(4.0, 500), "CoLA, btp": variant(2.0, 90)}
+    single = {"dense, 1 process": {"step_s": 4.5}, "CoLA, 1 process": {"step_s": 3.0}}
+    tp._variants_table(variants)  # adds the ratios against btp
+    summary = tp.scaling(variants, single)
+    assert summary["btp_x_of_perfect"] == pytest.approx(2.0 / 1.5)
+    assert summary["btp_speedup_over_megatron_per_single_ratio"] == pytest.approx((3.0 / 2.0) / (4.5 / 3.0))
+    for vocab in (0, 256, 32000):
+        args = SimpleNamespace(size="60m", seq=1024, vocab=vocab)
+        got = {(t.what, t.bound): t for t in tp.targets(args, variants, summary)}
+        assert got[("btp x of perfect scaling", 1.3)].value == pytest.approx(2.0 / 1.5)
+        assert not got[("btp x of perfect scaling", 1.3)].met  # lower is better
+        assert got[("btp speed-up over dense megatron / single-process dense:CoLA ratio", 1.0)].met
+        assert got[("btp speed-up over CoLA vanilla", 1.8)].value == pytest.approx(2.0)
+        assert ("btp speed-up over CoLA vanilla", 1.4) in got and len(got) == 7  # the earlier targets are kept
+    assert tp.targets(SimpleNamespace(size="60m", seq=512, vocab=256), variants, summary) == []
