@@ -265,6 +265,94 @@ def test_stage_layers():
     assert scale.stage_layers(26, 4) == [7, 7, 6, 6]
 
 
+# ----------------------------------------------------------------------------- head modes
+
+
+def _replicated_minus_vocab_parallel(system, shape, tokens, p, hw):
+    """Iteration-time difference, replicated head minus vocab-parallel head, from the docstring's
+    equations (PP 1, bf16): the lm_head GEMM on V instead of V/p (fwd + 2 x fwd bwd), the fp32
+    cross-entropy (28 B per logit) on V instead of V/p, the [T, d] collectives the replicated head
+    drops, and AdamW (28 B per parameter) over the extra head (and, for full and vanilla, embedding)
+    rows of the vocabulary."""
+    v, d = shape.vocab, shape.d
+    vl = -(-v // p)
+    gemm = 3 * (scale.gemm_time(tokens, d, v, hw) - scale.gemm_time(tokens, d, vl, hw))
+    loss = scale.elementwise_time(28 * tokens * (v - vl), hw)
+    payload = tokens * d * 2
+    alpha, busbw = hw.collective_latency, hw.allreduce_bus_bandwidth
+    # btp, vocab-parallel: all-gather + reduce-scatter; replicated: the all-gather only
+    if system == "btp":
+        comm = -(alpha + (p - 1) / p * payload / busbw)
+        extra_params = (v - vl) * d  # the lm_head; the embedding stays column-sharded
+    else:  # vocab-parallel: two all-reduces of [T, d]; replicated: none
+        comm = -2 * (alpha + 2 * (p - 1) / p * payload / busbw)
+        extra_params = 2 * (v - vl) * d  # the lm_head and the embedding, whole on every rank
+    optimizer = scale.elementwise_time(28 * extra_params, hw)
+    return gemm + loss + comm + optimizer
+
+
+SEVEN_B = next(s for s in scale.SHAPES if s.name == "7B")
+
+
+@pytest.mark.parametrize(
+    ("shape", "hw", "wl"),
+    [
+        (TOY, TOY_HW, Workload(seq=8, batch=2)),
+        (SEVEN_B, scale.load_hardware("a100-80gb-nvlink"), Workload()),
+    ],
+    ids=["toy", "7B-a100"],
+)
+def test_head_modes(shape, hw, wl):
+    tokens = wl.seq * wl.batch
+    for system in scale.SYSTEMS:
+        # without TP the two modes are one computation
+        one = {h: scale.predict(shape, system, 1, 1, hw, wl, head=h) for h in scale.HEADS}
+        assert one["replicated"] == one["vocab_parallel"]
+        assert scale.head_cost(system, shape, tokens, 1, hw, wl, "replicated") == scale.head_cost(
+            system, shape, tokens, 1, hw, wl, "vocab_parallel"
+        )
+        for p in (2, 4, 8):
+            vp = scale.predict(shape, system, p, 1, hw, wl, head="vocab_parallel")
+            rep = scale.predict(shape, system, p, 1, hw, wl, head="replicated")
+            # the default is the vocab-parallel head
+            assert scale.predict(shape, system, p, 1, hw, wl) == vp
+            expected = _replicated_minus_vocab_parallel(system, shape, tokens, p, hw)
+            assert rep.iteration_s - vp.iteration_s == pytest.approx(expected, rel=1e-9, abs=1e-15)
+            # collectives the replicated head drops: btp's reduce-scatter, full's and vanilla's two all-reduces
+            dropped = 1 if system == "btp" else 2
+            assert vp.collectives - rep.collectives == dropped
+            assert (vp.comm_gb - rep.comm_gb) * 1e9 == pytest.approx(dropped * tokens * shape.d * 2)
+            # on real hardware the whole [T, V] head costs more than the collectives it saves
+            if shape is SEVEN_B:
+                assert rep.iteration_s > vp.iteration_s
+
+
+def test_replicated_head_stage_params_by_hand():
+    # toy, TP 2, PP 2: two layers per stage, vocab 100, d 64
+    for system in scale.SYSTEMS:
+        layers = 2 * scale.layer_params(system, TOY, 2)
+        vp = scale.stage_params(system, TOY, 2, 2)
+        rep = scale.stage_params(system, TOY, 2, 2, "replicated")
+        assert vp[-1] == layers + 50 * 64 + 64  # lm_head V/p x d, final-norm gain
+        assert rep[-1] == layers + 100 * 64 + 64  # the whole V x d lm_head on every rank
+        if system == "btp":  # embedding columns sharded under either head: V x d/p
+            assert vp[0] == rep[0] == layers + 100 * 32
+        else:  # vocab-parallel embedding V/p x d; replicated with the replicated head
+            assert vp[0] == layers + 50 * 64
+            assert rep[0] == layers + 100 * 64
+        # the optimizer runs over the larger stage
+        wl = Workload(seq=8, batch=2)
+        pred = scale.predict(TOY, system, 2, 2, TOY_HW, wl, head="replicated")
+        assert pred.optimizer_s == pytest.approx(scale.elementwise_time(28 * max(rep), TOY_HW))
+
+
+def test_unknown_head_is_refused():
+    with pytest.raises(ValueError, match="unknown head"):
+        scale.predict(TOY, "btp", 2, hw=TOY_HW, head="sharded")
+    with pytest.raises(ValueError, match="unknown head"):
+        scale.head_cost("btp", TOY, 16, 2, TOY_HW, Workload(), "sharded")
+
+
 # ----------------------------------------------------------------------------- hardware files
 
 
@@ -370,6 +458,50 @@ def test_run_prints_every_row_and_serialises():
     json.dumps(data)
     text, data = scale.run(parser.parse_args(["--hardware", "h200"]))
     assert data["hardware"]["name"] == "h200"
+
+
+def test_report_head_table():
+    parser = argparse.ArgumentParser()
+    scale.add_arguments(parser)
+    assert parser.parse_args([]).head == "vocab_parallel"
+    text, data = scale.run(parser.parse_args([]))
+    assert data["head"] == "vocab_parallel"
+    title = "head and loss at 7b, vocabulary 32,000"
+    assert title in text.lower()
+    table = text[text.lower().index(title) :].splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("| system | TP |"))
+    columns = [c.strip() for c in table[header].strip("|").split("|")]
+    assert columns[2:5] == ["replicated s", "vocab-parallel s", "replicated / vocab-parallel"]
+    body = [line for line in table[header + 2 :] if line.startswith("| ")][:12]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in body]
+    assert [(c[0], int(c[1])) for c in cells] == [
+        (s, tp) for s in scale.SYSTEMS for tp in scale.TP_DEGREES
+    ]
+    for c in cells:
+        ratio = float(c[4].rstrip("x"))
+        assert (ratio == 1.0) if c[1] == "1" else (ratio > 1.0), c
+        assert float(c[2]) >= float(c[3])
+    # the 7B of SHAPES (vocab 32,000): the vocab-parallel times are the grid's
+    grid = {(g["model"], g["tp"]): g["predicted"] for g in data["grid"]}
+    for row in data["head_comparison"]:
+        assert (row["model"], row["vocab"]) == ("7B", 32000)
+        assert (
+            row["vocab_parallel"]["iteration_s"]
+            == grid["7B", row["tp"]][row["system"]]["iteration_s"]
+        )
+        assert 0 < row["vocab_parallel"]["head_share"] <= row["replicated"]["head_share"] < 1
+        assert (row["ratio"] > 1) == (row["tp"] > 1)
+    # --head replicated changes the grid, never the comparison with BOOST.md
+    text_r, data_r = scale.run(parser.parse_args(["--head", "replicated"]))
+    assert data_r["published"] == data["published"]
+    assert data_r["head_comparison"] == data["head_comparison"]
+    grid_r = {(g["model"], g["tp"]): g["predicted"] for g in data_r["grid"]}
+    for row in data["head_comparison"]:
+        assert (
+            row["replicated"]["iteration_s"]
+            == grid_r["7B", row["tp"]][row["system"]]["iteration_s"]
+        )
+    assert "Every shape at TP 1-8 (PP 1), replicated head:" in text_r
 
 
 def test_btp_moves_less_than_full_rank_and_vanilla():

@@ -42,13 +42,24 @@ Equations (per rank; T tokens of a micro-batch, e bytes per element):
     layer payload fwd    full 2 T d e;  vanilla T (5 d + 2 d_ff) e;  btp 7 T r e
                   bwd    full 2 T d e;  vanilla T (6 d + d_ff) e (the input gradient of every
                          pair: q, k, v, o, gate, up have d inputs, down has d_ff);  btp 7 T r e
-    head                 lm_head GEMM [T, d] x [d, V/p] (vocab-parallel), fp32 cross-entropy at
-                         28 B per local logit, final RMSNorm on [T, d]; full and vanilla
-                         all-reduce [T, d] once per direction (vocab-parallel embedding output,
-                         lm_head input gradient); btp all-gathers the stream before the final
-                         norm and reduce-scatters its gradient
+    head                 final RMSNorm on [T, d], lm_head GEMM [T, d] x [d, V_l], fp32
+                         cross-entropy at 28 B per local logit on [T, V_l]; two modes:
+      vocab_parallel     (default) V_l = V/p; full and vanilla all-reduce [T, d] once per
+                         direction (vocab-parallel embedding output, lm_head input gradient);
+                         btp all-gathers the stream before the final norm and reduce-scatters
+                         its gradient; parameters: lm_head V/p x d on the last stage
+      replicated         V_l = V: every rank computes the whole head and loss; full and vanilla
+                         no collective (the embedding is replicated too, as the megatron and
+                         vanilla plans leave it: no output all-reduce, V d on the first stage);
+                         btp all-gathers the stream before the final norm and keeps its slice
+                         of the gradient (no backward collective); lm_head V x d on the last
+                         stage; at p = 1 both modes are the same
     optimizer            AdamW over fp32 weights, gradients and moments: 28 B per local
                          parameter (16 read, 12 written), at the elementwise rate
+    parameters           per rank: the layers (layer_params); the embedding on the first
+                         stage (btp V x d/p; full and vanilla V/p x d, or V x d with the
+                         replicated head); the lm_head (V/p x d, or V x d replicated) and the
+                         final-norm gain d on the last stage
     pipeline (1F1B)      t_iter = sum_i t_i + (m - 1) max_i t_i + 2 (pp - 1) t_p2p + t_opt
                          t_i: forward + backward of one micro-batch on stage i (layers split
                          evenly, the head on the last stage); t_p2p: one [T, d] activation
@@ -66,6 +77,10 @@ in turn and the 1F1B schedule runs the stages one after the other (bubble
 the per-GPU work of the two rows is within 2%, which is what m = 1 gives (m = 4
 would give 1.25x). ``--micro-batches`` changes it; it only applies when pp > 1
 (without a pipeline the batch is one micro-batch).
+
+Head: ``--head`` (``predict(..., head=...)``) picks the mode of the every-shape grid;
+the comparison with BOOST.md always uses the vocabulary-parallel head, and the
+report adds a table of both modes at 7B (vocabulary 32,000, TP 1-8).
 
 Calibrated constants: one global set per hardware file, never one per row; the
 JSON files carry each with its "why". None was fitted to BOOST.md's iteration
@@ -101,19 +116,25 @@ import importlib.resources
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 
 from boost_compile.bench.formulas import PAPER_SHAPES, ring_bytes_per_rank
 from boost_compile.bench.results import Result, Target, bar_chart
 
 SYSTEMS = ("full-rank", "vanilla", "btp")
+#: how the output head and loss run under TP: sharded on the vocabulary, or whole on every rank
+HEADS = ("vocab_parallel", "replicated")
+DEFAULT_HEAD = "vocab_parallel"
 DEFAULT_HARDWARE = "a100-80gb-nvlink"
 HARDWARE_FILES = ("a100-80gb-nvlink", "h200")
 TP_DEGREES = (1, 2, 4, 8)
 GB = 1e9
 #: the acceptance bound on the predicted speed-ups of the TP > 1 published rows
 TARGET_ERROR = 0.15
+#: the report's table of the two head modes: this shape of SHAPES, with this vocabulary
+HEAD_TABLE_MODEL = "7B"
+HEAD_TABLE_VOCAB = 32000
 
 #: element passes (one read or one write of an element) of each memory-bound op: (forward, backward)
 PASSES = MappingProxyType(
@@ -133,6 +154,11 @@ PASSES = MappingProxyType(
 def _check_system(system: str) -> None:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; one of {', '.join(SYSTEMS)}")
+
+
+def _check_head(head: str) -> None:
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; one of {', '.join(HEADS)}")
 
 
 def _split(size: int, parts: int) -> int:
@@ -543,30 +569,50 @@ def layer_cost(
     )
 
 
-def head_cost(system: str, shape: Shape, tokens: int, p: int, hw: Hardware, wl: Workload) -> Cost:
-    """Final RMSNorm, vocab-parallel lm_head and cross-entropy, and the stream's [T, d] collectives."""
+def head_cost(
+    system: str,
+    shape: Shape,
+    tokens: int,
+    p: int,
+    hw: Hardware,
+    wl: Workload,
+    head: str = DEFAULT_HEAD,
+) -> Cost:
+    """Final RMSNorm, lm_head and cross-entropy, and the stream's [T, d] collectives.
+
+    ``head="vocab_parallel"``: each rank holds V/p of the vocabulary (lm_head GEMM and
+    logits); ``"replicated"``: every rank computes the whole [T, V] head and loss.
+    """
     _check_system(system)
+    _check_head(head)
+    replicated = head == "replicated"
     e = wl.dtype_bytes
-    vocab_local = _split(shape.vocab, p)
+    vocab_local = shape.vocab if replicated else _split(shape.vocab, p)
     ew = (
         sum(PASSES["rmsnorm"]) * tokens * shape.d * e
         + wl.cross_entropy_bytes_per_logit * tokens * vocab_local
     )
     payload = tokens * shape.d * e
-    grouped = p > 1
-    if system == "btp":  # all-gather before the final norm; reduce-scatter of its gradient
-        comm_s = 2 * allgather_time(1, payload, p, hw)
-        ring = 2 * (p - 1) * payload // p
+    if system == "btp":
+        # all-gather before the final norm; backward: reduce-scatter of its gradient
+        # (vocab-parallel: partial sums over the vocabulary), or keep this rank's slice
+        count = 1 if replicated else 2
+        comm_s = count * allgather_time(1, payload, p, hw)
+        ring = count * (p - 1) * payload // p
+    elif replicated:  # replicated embedding and head: nothing to reduce
+        count, comm_s, ring = 0, 0.0, 0
     else:  # embedding output all-reduce (forward); lm_head input-gradient all-reduce (backward)
+        count = 2
         comm_s = 2 * allreduce_time(1, payload, p, hw)
         ring = 2 * ring_bytes_per_rank(payload, p)
+    grouped = p > 1
     return Cost(
         gemm_flops=3 * linear_flops(tokens, shape.d, vocab_local),
         gemm_s=3 * gemm_time(tokens, shape.d, vocab_local, hw, e),
         elementwise_bytes=ew,
         elementwise_s=elementwise_time(ew, hw),
-        collectives=2 if grouped else 0,
-        comm_bytes=2 * payload if grouped else 0,
+        collectives=count if grouped else 0,
+        comm_bytes=count * payload if grouped else 0,
         ring_bytes=ring,
         comm_s=comm_s,
     )
@@ -577,13 +623,22 @@ def stage_layers(layers: int, pp: int) -> list[int]:
     return [layers // pp + (1 if i < layers % pp else 0) for i in range(pp)]
 
 
-def stage_params(system: str, shape: Shape, tp: int, pp: int) -> list[float]:
-    """Parameters one rank of each stage holds: its layers, the embedding (first), the lm_head and norm (last)."""
+def stage_params(
+    system: str, shape: Shape, tp: int, pp: int, head: str = DEFAULT_HEAD
+) -> list[float]:
+    """Parameters one rank of each stage holds: its layers, the embedding (first), the lm_head and norm (last).
+
+    btp shards the embedding's columns (V x d/p) under either head; full-rank and
+    vanilla shard its vocabulary with the vocab-parallel head (its output is
+    all-reduced) and replicate it with the replicated head. The replicated head
+    keeps the whole V x d lm_head on every rank.
+    """
+    _check_head(head)
+    replicated = head == "replicated"
+    vocab_local = shape.vocab if replicated else _split(shape.vocab, tp)
     params = [layer_params(system, shape, tp) * n for n in stage_layers(shape.layers, pp)]
-    params[0] += (
-        _split(shape.vocab, tp) * shape.d if system != "btp" else shape.vocab * _split(shape.d, tp)
-    )
-    params[-1] += _split(shape.vocab, tp) * shape.d + shape.d
+    params[0] += vocab_local * shape.d if system != "btp" else shape.vocab * _split(shape.d, tp)
+    params[-1] += vocab_local * shape.d + shape.d
     return params
 
 
@@ -622,8 +677,13 @@ def predict(
     pp: int = 1,
     hw: Hardware | None = None,
     wl: Workload | None = None,
+    *,
+    head: str = DEFAULT_HEAD,
 ) -> Prediction:
     """Iteration time and communication of ``system`` for ``shape`` on ``tp * pp`` GPUs.
+
+    ``head``: ``"vocab_parallel"`` (default) or ``"replicated"`` output head and
+    loss (see :func:`head_cost`).
 
     ``iteration_s`` = gemm + attention + elementwise + comm (TP collectives and the
     pipeline's send/recv) + optimizer, each summed along the schedule's critical
@@ -633,6 +693,7 @@ def predict(
     the stages.
     """
     _check_system(system)
+    _check_head(head)
     hw = hw or load_hardware()
     wl = wl or Workload()
     if tp < 1 or pp < 1 or wl.micro_batches < 1 or wl.batch % wl.micro_batches:
@@ -646,13 +707,13 @@ def predict(
     tokens = mb * wl.seq
     layer = layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
     stages = [layer.scaled(n) for n in stage_layers(shape.layers, pp)]
-    stages[-1] = stages[-1] + head_cost(system, shape, tokens, tp, hw, wl)
+    stages[-1] = stages[-1] + head_cost(system, shape, tokens, tp, hw, wl, head)
     slowest = max(stages, key=lambda c: c.total_s)
     path = sum(stages[1:], stages[0]) + slowest.scaled(m - 1)
 
     p2p_s = 2 * (pp - 1) * p2p_time(tokens, shape, hw, wl.dtype_bytes)
     optimizer_s = elementwise_time(
-        wl.optimizer_bytes_per_param * max(stage_params(system, shape, tp, pp)), hw
+        wl.optimizer_bytes_per_param * max(stage_params(system, shape, tp, pp, head)), hw
     )
     iteration = path.total_s + p2p_s + optimizer_s
     flops_per_gpu = sum(s.gemm_flops + s.attention_flops for s in stages) * m / pp
@@ -679,10 +740,10 @@ def predict(
 
 
 def predict_all(
-    shape: Shape, tp: int, pp: int, hw: Hardware, wl: Workload
+    shape: Shape, tp: int, pp: int, hw: Hardware, wl: Workload, *, head: str = DEFAULT_HEAD
 ) -> dict[str, Prediction]:
     """The three systems on one configuration."""
-    return {system: predict(shape, system, tp, pp, hw, wl) for system in SYSTEMS}
+    return {system: predict(shape, system, tp, pp, hw, wl, head=head) for system in SYSTEMS}
 
 
 def speedups(times: dict[str, float]) -> dict[str, float]:
@@ -702,7 +763,7 @@ def published_comparison(hw: Hardware, wl: Workload) -> list[dict]:
     shapes = {s.name: s for s in SHAPES}
     rows = []
     for row in PUBLISHED:
-        preds = predict_all(shapes[row.model], row.tp, row.pp, hw, wl)
+        preds = predict_all(shapes[row.model], row.tp, row.pp, hw, wl, head="vocab_parallel")
         times = {s: p.iteration_s for s, p in preds.items()}
         sp, psp = speedups(times), speedups(row.times)
         rows.append(
@@ -722,12 +783,14 @@ def published_comparison(hw: Hardware, wl: Workload) -> list[dict]:
     return rows
 
 
-def scale_grid(hw: Hardware, wl: Workload, shapes: Sequence[Shape] = SHAPES) -> list[dict]:
+def scale_grid(
+    hw: Hardware, wl: Workload, shapes: Sequence[Shape] = SHAPES, *, head: str = DEFAULT_HEAD
+) -> list[dict]:
     """Every shape at TP 1, 2, 4, 8 without a pipeline."""
     grid = []
     for shape in shapes:
         for tp in TP_DEGREES:
-            preds = predict_all(shape, tp, 1, hw, wl)
+            preds = predict_all(shape, tp, 1, hw, wl, head=head)
             grid.append(
                 {
                     "model": shape.name,
@@ -741,6 +804,35 @@ def scale_grid(hw: Hardware, wl: Workload, shapes: Sequence[Shape] = SHAPES) -> 
     return grid
 
 
+def head_comparison(
+    hw: Hardware, wl: Workload, model: str = HEAD_TABLE_MODEL, vocab: int = HEAD_TABLE_VOCAB
+) -> list[dict]:
+    """Each system at TP 1, 2, 4, 8 (PP 1) with a replicated and a vocab-parallel head.
+
+    Per head mode: the iteration time, the head's own time (final norm, lm_head,
+    cross-entropy and their collectives, forward + backward; not the optimizer
+    step on its weights) and its share of the iteration; and the ratio of the
+    iteration times, replicated over vocab-parallel.
+    """
+    shape = replace(next(s for s in SHAPES if s.name == model), vocab=vocab)
+    tokens = wl.batch * wl.seq  # without a pipeline the batch is one micro-batch
+    rows = []
+    for system in SYSTEMS:
+        for tp in TP_DEGREES:
+            row: dict = {"system": system, "model": shape.name, "vocab": vocab, "tp": tp, "pp": 1}
+            for head in HEADS:
+                iteration = predict(shape, system, tp, 1, hw, wl, head=head).iteration_s
+                head_s = head_cost(system, shape, tokens, tp, hw, wl, head).total_s
+                row[head] = {
+                    "iteration_s": iteration,
+                    "head_s": head_s,
+                    "head_share": head_s / iteration,
+                }
+            row["ratio"] = row["replicated"]["iteration_s"] / row["vocab_parallel"]["iteration_s"]
+            rows.append(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -752,14 +844,22 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.0f}%"
 
 
-def render(hw: Hardware, wl: Workload, rows: list[dict], grid: list[dict]) -> str:
-    """The markdown report: the published rows with errors, a summary, then the whole grid."""
+def render(
+    hw: Hardware,
+    wl: Workload,
+    rows: list[dict],
+    grid: list[dict],
+    heads: Sequence[dict] = (),
+    head: str = DEFAULT_HEAD,
+) -> str:
+    """The markdown report: the published rows with errors, a summary, the whole grid (with
+    ``head``), then the two head modes side by side (``heads``, from :func:`head_comparison`)."""
     lines = [
         f"Analytic scale model on {hw.name}: bf16, seq {wl.seq} x batch {wl.batch}, forward + backward + AdamW; "
         f"pipelines run {wl.micro_batches} micro-batch(es). Times in s; comm GB = all-reduce (and send/recv) "
         "payload per iteration; comm s = communication on the critical path. Cells: full-rank / vanilla / btp.",
         "",
-        "Beside BOOST.md section 6 (measured on A100"
+        "Beside BOOST.md section 6, with a vocabulary-parallel head (measured on A100"
         + ("):" if hw.name.startswith("a100") else f"; these predictions are for {hw.name}):"),
         "",
         "| model | GPUs | TP | PP | predicted time | published time | time error | comm GB | comm s "
@@ -802,7 +902,7 @@ def render(hw: Hardware, wl: Workload, rows: list[dict], grid: list[dict]) -> st
             else f"all within {TARGET_ERROR:.0%}."
         ),
         "",
-        "Every shape at TP 1-8 (PP 1):",
+        f"Every shape at TP 1-8 (PP 1), {head.replace('_', '-')} head:",
         "",
         "| model | TP | time | comm GB | comm s | gemm s | attention s | elementwise s | TFLOP/s per GPU "
         "| btp vs full | btp vs vanilla |",
@@ -827,6 +927,24 @@ def render(hw: Hardware, wl: Workload, rows: list[dict], grid: list[dict]) -> st
             "\\* heads not divisible by TP (Megatron would refuse it): "
             "modelled with ceil(heads / TP) heads on the slowest rank.",
         ]
+    if heads:
+        lines += [
+            "",
+            f"Head and loss at {heads[0]['model']}, vocabulary {heads[0]['vocab']:,} (PP 1): iteration time "
+            "with the final norm, lm_head and cross-entropy replicated on every TP rank ([T, d] x [d, V] "
+            "GEMM, fp32 loss on [T, V]) and vocabulary-parallel (V/TP per rank); head+loss share = "
+            "their forward + backward, collectives included, over the iteration.",
+            "",
+            "| system | TP | replicated s | vocab-parallel s | replicated / vocab-parallel "
+            "| head+loss share, replicated | head+loss share, vocab-parallel |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for h in heads:
+            rep, vp = h["replicated"], h["vocab_parallel"]
+            lines.append(
+                f"| {h['system']} | {h['tp']} | {rep['iteration_s']:.3f} | {vp['iteration_s']:.3f} "
+                f"| {h['ratio']:.3f}x | {rep['head_share']:.1%} | {vp['head_share']:.1%} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -848,6 +966,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="pipeline micro-batches per iteration (rows with PP > 1)",
     )
+    parser.add_argument(
+        "--head",
+        choices=HEADS,
+        default=DEFAULT_HEAD,
+        help="output head and loss of the every-shape grid: sharded on the vocabulary, or whole on "
+        "every TP rank (the BOOST.md comparison always uses vocab_parallel; the head table shows both)",
+    )
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
@@ -859,8 +984,10 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
         dtype_bytes=getattr(args, "dtype_bytes", 2),
         micro_batches=getattr(args, "micro_batches", 1),
     )
+    head = getattr(args, "head", DEFAULT_HEAD)
     rows = published_comparison(hw, wl)
-    grid = scale_grid(hw, wl)
+    grid = scale_grid(hw, wl, head=head)
+    heads = head_comparison(hw, wl)
     data = {
         "hardware": {
             "name": hw.name,
@@ -869,12 +996,14 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
             "notes": dict(hw.notes),
         },
         "workload": asdict(wl),
+        "head": head,
         "shapes": [asdict(s) | {"rank": s.rank} for s in SHAPES],
         "target_error": TARGET_ERROR,
         "published": rows,
         "grid": grid,
+        "head_comparison": heads,
     }
-    return render(hw, wl, rows, grid), data
+    return render(hw, wl, rows, grid, heads, head), data
 
 
 def run_result(args: argparse.Namespace) -> Result:
