@@ -142,10 +142,14 @@ class TPConfig:
     dtype and the statistic in a second, [T, 1] fp32 all-reduce; for bf16 models
     on fast links this halves the bytes of those collectives
     (``benchmarks/bench_norm_packing.py``).
+    ``overlap``: issue each collective as early and wait for it as late as the
+    graph allows (``passes/tp_overlap.py``), so a weight-gradient GEMM runs while
+    an input gradient is all-reduced.
     """
 
     enabled: bool = True
     norm_statistic: str = "packed"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.norm_statistic not in NORM_STATISTIC_MODES:

@@ -11,6 +11,7 @@ Torch-IR passes (on the Dynamo graph, before the inner compiler):
                   see the rewritten graph; its partitioner is checkpoint_partitioner)
 
 ATen passes (on the forward/backward graphs, inside the inner compiler):
+  tp_overlap         each collective issued early, waited for late (opt-in: tp.overlap)
   op_census          counts ATen ops per graph, for ``explain``
   collective_census  lists each collective with its bytes, for ``explain``
 """
@@ -27,6 +28,7 @@ from boost_compile.passes.op_census import OpCensusPass
 from boost_compile.passes.rmsnorm import RMSNormPass
 from boost_compile.passes.tp_collectives import TPCollectivesPass
 from boost_compile.passes.tp_localize import TPLocalizePass
+from boost_compile.passes.tp_overlap import TPOverlapPass
 
 #: Torch-IR passes, in order.
 GRAPH_PASSES: tuple[type[GraphPass], ...] = (
@@ -38,7 +40,7 @@ GRAPH_PASSES: tuple[type[GraphPass], ...] = (
     CheckpointPass,  # last: tags the rewritten graph (activation checkpointing)
 )
 #: ATen passes, in order.
-ATEN_PASSES: tuple[type[AtenPass], ...] = (OpCensusPass, CollectiveCensusPass)
+ATEN_PASSES: tuple[type[AtenPass], ...] = (TPOverlapPass, OpCensusPass, CollectiveCensusPass)
 
 
 def graph_passes(config: BoostConfig) -> list[GraphPass]:

@@ -51,6 +51,10 @@ SCENARIOS = [
     {"name": "hf-factorized-btp-vocab255", "model": "hf:vocab255", "plan": "btp", "loss_only": True},
     {"name": "cola-vanilla-loss-parallel", "model": "tiny:4", "plan": "vanilla", "parallelize": {"vocab_parallel": True}},
     {"name": "cola-btp-replicated-head", "model": "tiny:4", "plan": "btp", "parallelize": {"vocab_parallel": False}, "steps": 1},
+    # collectives issued early and waited for late (tp.overlap), under both inner compilers
+    {"name": "cola-btp-overlap", "model": "tiny:4", "plan": "btp", "options": {"tp": {"overlap": True}}},
+    {"name": "cola-btp-overlap-inductor", "model": "tiny:4", "plan": "btp", "inner": "inductor",
+     "options": {"tp": {"overlap": True}}, "steps": 1},
     {"name": "bad", "bad_inputs": True},
 ]
 
@@ -291,6 +295,18 @@ def test_replicated_head_on_request(results):
     (check,) = r["check"]["compile"]
     assert check["vocab_parallel_losses"] == 0
     assert head_and_loss(r["collectives"]["forward"]) == [] and head_and_loss(r["collectives"]["backward"]) == []
+
+
+@pytest.mark.parametrize("name", ["cola-btp-overlap", "cola-btp-overlap-inductor"])
+def test_overlap_moves_waits_not_payloads(results, name):
+    # exact (test_matches_single_process), the same collectives in the same order, and in
+    # backward work (the weight-gradient GEMMs) now runs between collectives and their waits
+    r = ok(results, name)
+    assert payloads(r["collectives"]) == payloads(ok(results, "cola-btp")["collectives"])
+    by_graph = {d["graph"]: d for d in r["overlap"]}
+    n = r["config"]["n_layers"]
+    assert by_graph["backward"]["ops_between"] >= 4 * n and by_graph["backward"]["delayed"] > 0
+    assert ok(results, "cola-btp")["overlap"] == []  # off by default
 
 
 def test_vanilla_loss_parallel(results):

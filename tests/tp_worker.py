@@ -120,6 +120,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
         localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
         out["check"] = {"parallelize": report.check.details, "compile": [r.details for r in localize],
                         "repairs": report.check.rewritten}
+    out["overlap"] = [r.details for g in rec.graphs for r in g.aten_reports if r.name == "tp_overlap"]
     census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
     out["collectives"] = {
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
@@ -190,7 +191,9 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
     for sc in scenarios:
         key = sc["name"]
         try:
-            results[key] = bad_inputs() if sc.get("bad_inputs") else scenario(sc)
+            # the pass reports come from the compile itself: a compile-cache hit would skip them
+            with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+                results[key] = bad_inputs() if sc.get("bad_inputs") else scenario(sc)
         except Exception:  # noqa: BLE001 - reported to the test
             results[key] = {"error": traceback.format_exc()}
         torch._dynamo.reset()
