@@ -286,7 +286,6 @@ def targets(args: argparse.Namespace, variants: dict[str, dict[str, Any]], summa
         return []
     dense, vanilla = variants[MEGATRON], variants[VANILLA]
     return [
-        Target("btp speed-up over CoLA vanilla", vanilla["btp_speedup"], 1.4, True),
         Target("btp speed-up over dense megatron", dense["btp_speedup"], 1.5, True),
         Target("btp bytes / dense megatron bytes", dense["btp_bytes_ratio"], 0.9, False),
         Target("btp bytes / vanilla bytes", vanilla["btp_bytes_ratio"], 0.2, False),
