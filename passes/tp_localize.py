@@ -22,9 +22,15 @@ needs it whole (the final norm, a replicated head, the graph's output)
 ``gather_from_tp``. Reductions over the sharded dim are allowed only inside an
 RMSNorm site, whose statistic ``tp_collectives`` then sums over the group.
 
+The output head cut on the vocabulary makes the logits sharded on their last
+dim; they pass casts, views that keep that dim whole and indexing of other dims
+sharded, a plain ``F.cross_entropy`` on them becomes
+``vocab_parallel_cross_entropy`` (all-reduces of [N] only), and any other
+consumer, like the graph's output, gets them gathered (padding dropped).
+
 Then shapes are propagated again through the rank's graph, and every node must
 have the unsharded node's shape with exactly its sharded dim divided by the TP
-degree. What cannot be placed (LayerNorm or softmax over the sharded dim, a view
+degree (rounded up for a padded vocabulary). What cannot be placed (LayerNorm or softmax over the sharded dim, a view
 that no contiguous slice can hold, a parameter read other than through its
 module attribute, ...) is refused with a ``ParallelizeError`` that names the op,
 the shapes and the model's source line, before the first step runs.
