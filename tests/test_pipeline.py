@@ -1,0 +1,219 @@
+"""Pipeline parallelism on torch.distributed.pipelining, over two gloo processes on CPU.
+
+Each distributed scenario cuts one seeded model into stages (``split_model``),
+compiles every stage with ``backend="boost"`` (inner ``aot_eager``), runs 5 SGD
+steps (lr 0.1) through a PyTorch schedule and compares with the whole model
+stepped in one process on the same batch: every step's loss (the mean of the
+micro-batch losses) and every gradient of the first step within 1e-5,
+norm-wise relative, each gradient against the reference's of the same FQN.
+The cut, the refusals and the schedule checks that need no process group run in
+this process.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from boost_compile.distributed.pipeline import PipelineError, model_costs, split_model, stage_layers
+from boost_compile.models import Llama, LlamaConfig
+
+RTOL = 1e-5
+
+SCENARIOS = [
+    {"name": "1f1b", "model": "tiny", "schedule": "1f1b", "microbatches": 2, "compile": "wrap"},
+    {"name": "gpipe", "model": "tiny", "schedule": "gpipe", "microbatches": 4, "compile": "inplace"},
+    {"name": "interleaved_1f1b", "model": "tiny:4", "schedule": "interleaved_1f1b", "virtual": 2,
+     "microbatches": 2, "compile": "wrap"},
+    {"name": "hf-1f1b", "model": "hf", "schedule": "1f1b", "microbatches": 2, "compile": "wrap"},
+    {"name": "zero_bubble-eager", "model": "tiny:4", "schedule": "zero_bubble", "virtual": 2,
+     "microbatches": 2, "compile": "eager", "steps": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from pp_worker import worker
+
+    folder = tmp_path_factory.mktemp("pp")
+    store, out = str(folder / "store"), str(folder / "results.json")
+    mp.spawn(worker, args=(2, store, SCENARIOS, out), nprocs=2, join=True)
+    with open(out) as f:
+        return json.load(f)  # one dict per rank
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
+def test_matches_single_process(results, name):
+    sc = next(s for s in SCENARIOS if s["name"] == name)
+    per_rank = [r[name] for r in results]
+    for r in per_rank:
+        assert "error" not in r, r.get("error")
+        assert r["missing_grads"] == []
+        # one graph per local stage when compiled with backend="boost" (no recompiles across steps)
+        assert r["graphs"] == (0 if sc["compile"] == "eager" else len(r["stages"])), r["graphs"]
+        assert r["grad"][0] <= RTOL, r["grad"]
+    # the stages' parameters together are the reference's, each held once
+    names = [n for r in per_rank for n in r["names"]]
+    assert sorted(names) == per_rank[0]["ref_names"]
+    (last,) = [r for r in per_rank if r["loss"]]  # only the last stage's rank sees the loss
+    steps = sc.get("steps", 5)
+    assert len(last["loss"]) == steps
+    assert max(last["loss"]) <= RTOL, last["loss"]
+    assert last["losses"][-1] < last["losses"][0]  # it trains
+
+
+def test_interleaved_layout(results):
+    # 4 stages on 2 ranks: stage i on rank i % 2, one block each
+    assert [r["interleaved_1f1b"]["stages"] for r in results] == [[0, 2], [1, 3]]
+    assert [r["interleaved_1f1b"]["layers"] for r in results] == [[[0], [2]], [[1], [3]]]
+
+
+# ----------------------------------------------------------------------------- in-process
+
+
+def test_stage_layers_even_and_explicit():
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(6, 3, layers_per_stage=[1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
+    assert stage_layers(3, 1) == [range(0, 3)]
+
+
+def test_stage_layers_balances_embedding_and_head():
+    # embedding and head worth 2 blocks each: the end stages take fewer blocks
+    assert stage_layers(8, 4, costs=[2, *[1] * 8, 2]) == [range(0, 1), range(1, 4), range(4, 7), range(7, 8)]
+    # a heavy head only: the last stage takes the fewest blocks
+    assert stage_layers(6, 2, costs=[0, *[1] * 6, 4]) == [range(0, 5), range(5, 6)]
+    # uneven blocks: the split follows their cost
+    assert stage_layers(4, 2, costs=[0, 3, 1, 1, 1, 0]) == [range(0, 1), range(1, 4)]
+
+
+def test_model_costs_counts_parameters():
+    model = Llama(LlamaConfig.preset("tiny-dense", n_layers=4, vocab_size=1024))
+    costs = model_costs(model)
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    assert costs[1:-1] == [1.0] * 4
+    assert costs[0] == pytest.approx(1024 * 64 / block)
+    assert costs[-1] == pytest.approx((1024 * 64 + 64) / block)
+    # a vocabulary bigger than a block: the end stages get a block each, the middle two
+    assert stage_layers(4, 3, costs=costs) == [range(0, 1), range(1, 3), range(3, 4)]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"n_layers": 2, "pp_stages": 3}, "3 pipeline stages for 2 blocks"),
+    ({"n_layers": 4, "pp_stages": 2, "layers_per_stage": [1, 2]}, "sums to 3, not to the model's 4 blocks"),
+    ({"n_layers": 4, "pp_stages": 2, "layers_per_stage": [4]}, "1 entries for 2 stages"),
+    ({"n_layers": 4, "pp_stages": 2, "layers_per_stage": [4, 0]}, "positive whole number"),
+    ({"n_layers": 4, "pp_stages": 2, "costs": [1, 1, 1]}, "expected n_layers \\+ 2 = 6"),
+    ({"n_layers": 0, "pp_stages": 1}, "n_layers must be a positive integer"),
+])
+def test_stage_layers_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        stage_layers(**kwargs)
+
+
+def test_split_keeps_names_and_matches_the_model():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+    tokens = torch.randint(0, 256, (2, 16))
+    stages = [split_model(model, i, 3, layers_per_stage=[1, 2, 1]) for i in range(3)]
+    assert [s.layer_range for s in stages] == [range(0, 1), range(1, 3), range(3, 4)]
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert any(n.startswith("layers.2.") for n, _ in stages[1].named_parameters())
+    h = tokens
+    for s in stages:
+        h = s(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+    assert stages[0].tok_embeddings.weight is not model.tok_embeddings.weight  # a copy
+
+
+def test_split_hf_matches_the_model():
+    from conftest import tiny_hf_llama
+
+    model = tiny_hf_llama()
+    tokens = torch.randint(0, 256, (2, 16))
+    first, last = (split_model(model, i, 2) for i in range(2))
+    assert "model.embed_tokens.weight" in dict(first.named_parameters())
+    assert {"lm_head.weight", "model.norm.weight", "model.layers.1.mlp.up_proj.weight"} <= dict(last.named_parameters()).keys()
+    torch.testing.assert_close(last(first(tokens)), model(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_stage_compiles_with_boost():
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny"))
+    stage = split_model(model, 1, 2)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    expected = stage(x)
+    compiled = torch.compile(stage, backend="boost", options={"inner": "aot_eager"})
+    torch.testing.assert_close(compiled(x), expected, rtol=1e-5, atol=1e-6)
+    stage.compile(backend="boost", options={"inner": "aot_eager"})
+    out = stage(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in stage.parameters())
+
+
+def test_refuses_tied_head_across_stages():
+    model = Llama(LlamaConfig.preset("tiny", tie_embeddings=True))
+    with pytest.raises(PipelineError, match="tied to its embedding"):
+        split_model(model, 0, 2)
+    one = split_model(model, 0, 1)  # one stage: the tie is kept
+    assert one.output.weight is one.tok_embeddings.weight
+
+
+def test_refuses_unknown_models():
+    with pytest.raises(PipelineError, match="no attribute 'model'"):
+        split_model(torch.nn.Linear(4, 4), 0, 2)
+
+    class NoRotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(8, 4)
+            self.model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+            self.model.norm = torch.nn.RMSNorm(4)
+
+    with pytest.raises(PipelineError, match="looked for model.rotary_emb"):
+        split_model(NoRotary(), 0, 1)
+    with pytest.raises(PipelineError, match="stage_index must be in 0..1"):
+        split_model(Llama(LlamaConfig.preset("tiny")), 2, 2)
+    with pytest.raises(PipelineError, match="3 pipeline stages for 2 blocks"):
+        split_model(Llama(LlamaConfig.preset("tiny")), 0, 3)
+
+
+def test_schedule_refusals(tmp_path):
+    """The checks of build_schedule, on a one-process gloo group."""
+    import torch.distributed as dist
+
+    from boost_compile.distributed.pipeline import build_schedule
+
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        one = [split_model(model, 0, 1)]
+        two = [split_model(model, i, 2) for i in range(2)]
+        group = dist.group.WORLD
+        with pytest.raises(PipelineError, match="at least 2 stages"):
+            build_schedule(one, [0], 1, group, 2, "interleaved_1f1b", None, tokens)
+        with pytest.raises(PipelineError, match="one stage per rank"):
+            build_schedule(two, [0, 1], 2, group, 2, "1f1b", None, tokens)
+        with pytest.raises(PipelineError, match="not divisible by 4 micro-batches"):
+            build_schedule(one, [0], 1, group, 4, "gpipe", None, tokens[:1], batch_size=6)
+        with pytest.raises(PipelineError, match="choose one of"):
+            build_schedule(one, [0], 1, group, 2, "zigzag", None, tokens)
+        compiled = [torch.compile(s, backend="boost") for s in two]
+        with pytest.raises(PipelineError, match="compiled stage"):
+            build_schedule(compiled, [0, 1], 2, group, 2, "zero_bubble", None, tokens)
+        schedule = build_schedule(one, [0], 1, group, 2, "gpipe", None, tokens[:1])
+        from boost_compile.distributed.pipeline import pipeline_step
+
+        with pytest.raises(PipelineError, match="a batch of 3 is not divisible by 2 micro-batches"):
+            pipeline_step(schedule, tokens[:1].expand(3, -1), tokens[:1].expand(3, -1))
+    finally:
+        dist.destroy_process_group()
