@@ -86,6 +86,10 @@ def _is_full_view(node: Any) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == f"{_FULL_VIEW}.default"
 
 
+def _is_op(node: Any, name: str) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and getattr(node.target, "__name__", "") == f"{name}.default"
+
+
 # ----------------------------------------------------------------------------- op tables
 
 _ELEMENTWISE_FUNCTIONS = {
@@ -254,6 +258,16 @@ class _Localizer:
             return None
         if node.op == "get_attr":
             return None
+        if _is_op(node, "tp_stream_in"):  # a pipeline stage's input: this rank's d-slice of the stream
+            return Sharded(len(self.full[node]) - 1)
+        if _is_op(node, "tp_stream_out"):  # a pipeline stage's output: this rank's d-slice, not gathered
+            x = node.args[0]
+            last = len(self.full[x]) - 1
+            if self.place.get(x) is None:
+                self._scatter_input(node, x, last)
+            elif self.place[x] != Sharded(last):
+                self._refuse(node, f"the stage returns a stream sharded as {self.place[x]}, not on its last dim", "")
+            return None  # the local slice itself: what the next stage receives
         if _is_full_view(node):
             spec = self.specs.get(node.args[0])
             if spec is None:
@@ -888,7 +902,7 @@ class _Localizer:
 
     def _remove_full_views(self) -> None:
         for node in list(self.graph.nodes):
-            if _is_full_view(node):
+            if _is_full_view(node) or _is_op(node, "tp_stream_in") or _is_op(node, "tp_stream_out"):
                 node.replace_all_uses_with(node.args[0])
                 self.graph.erase_node(node)
 

@@ -271,3 +271,49 @@ def tp_sentinel(x: torch.Tensor, plan: str) -> torch.Tensor:
 @tp_sentinel.register_fake
 def _(x: torch.Tensor, plan: str) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("boost::tp_stream_in", mutates_args=())
+def tp_stream_in(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    """A pipeline stage's input that is this rank's d-slice of the residual stream, seen whole."""
+    raise RuntimeError(
+        f"this pipeline stage was parallelized with plan {plan!r}: its input is this rank's slice of the "
+        "residual stream, and only the boost backend turns its code into the per-rank program. "
+        "Run it as torch.compile(stage, backend='boost')."
+    )
+
+
+@tp_stream_in.register_fake
+def _(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    return x.new_empty(full_shape(x.shape, x.dim() - 1, world))
+
+
+@torch.library.custom_op("boost::tp_stream_out", mutates_args=())
+def tp_stream_out(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    """What a pipeline stage returns: this rank's d-slice of the (whole-shape) residual stream."""
+    raise RuntimeError(
+        f"this pipeline stage was parallelized with plan {plan!r}: it returns this rank's slice of the "
+        "residual stream, which only the boost backend's program computes. "
+        "Run it as torch.compile(stage, backend='boost')."
+    )
+
+
+@tp_stream_out.register_fake
+def _(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[-1] //= world
+    return x.new_empty(shape)
+
+
+def _stream_marker_backward(ctx, grad: torch.Tensor):
+    # never runs: tp_localize removes both markers before autograd sees the graph
+    raise RuntimeError("a pipeline stream marker reached autograd: compile the stage with backend='boost'")
+
+
+def _no_setup(ctx, inputs, output) -> None:
+    pass
+
+
+tp_stream_in.register_autograd(_stream_marker_backward, setup_context=_no_setup)
+tp_stream_out.register_autograd(_stream_marker_backward, setup_context=_no_setup)
+

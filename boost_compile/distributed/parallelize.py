@@ -326,6 +326,7 @@ def parallelize_(
     tp: Any,
     plan: str = "auto",
     vocab_parallel: bool | None = None,
+    stream_io: bool = False,
 ) -> TPReport:
     """Shard ``model`` in place for tensor parallelism over ``tp`` (a DeviceMesh or ProcessGroup).
 
@@ -335,6 +336,12 @@ def parallelize_(
     PyTorch's own layout (the head ``ColwiseParallel`` with logits a DTensor
     sharded on V), which needs the caller to run the forward and backward under
     ``torch.distributed.tensor.parallel.loss_parallel()`` and returns a DTensor loss.
+
+    ``stream_io``: ``model`` is a pipeline stage (``boost_compile.distributed.pipeline``).
+    Under btp, a stage without the embedding takes this rank's d-slice of the
+    residual stream as its input and a stage without the head returns its
+    d-slice, so the activation sent between stages is [mb, s, d/p]. Pass the whole
+    stream as ``example_inputs``; the stage then reads ``_boost_stream_shards = p``.
     """
     if not dist.is_initialized():
         raise ParallelizeError("torch.distributed is not initialised (call init_process_group first)")
@@ -413,9 +420,41 @@ def parallelize_(
     guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
     model._boost_tp_plan = plan
     report = TPReport(plan, world, specs)
+    if stream_io and plan == "btp":
+        example_inputs = _shard_stream_io(model, roles, example_inputs, world, rank, plan)
     report.check = check_local_program(model, example_inputs)
     log.info("%s; %s", report, report.check.line())
     return report
+
+
+def _shard_stream_io(model: nn.Module, roles: _Roles, example_inputs: Sequence[Any], world: int, rank: int, plan: str) -> tuple:
+    """A btp pipeline stage: its stream input (no embedding) and output (no head) are this rank's d-slice.
+
+    The stage module applies the markers itself (``set_stream_markers``, as the
+    stages of ``boost_compile.distributed.pipeline`` do): hooks on the root
+    module would run outside the compiled graph. Returns the example inputs as
+    the stage receives them (the input's slice).
+    """
+    from boost_compile.distributed.collectives import tp_stream_in, tp_stream_out
+
+    if not hasattr(model, "set_stream_markers"):
+        raise ParallelizeError(
+            f"stream_io=True needs a pipeline stage that applies stream markers (set_stream_markers), such as "
+            f"boost_compile.distributed.pipeline.split_model's; got {type(model).__name__}"
+        )
+
+    def stream_in(x: torch.Tensor) -> torch.Tensor:
+        return tp_stream_in(x, world, plan) if torch.compiler.is_compiling() else x
+
+    def stream_out(h: torch.Tensor) -> torch.Tensor:
+        return tp_stream_out(h, world, plan) if torch.compiler.is_compiling() else h
+
+    takes_stream, returns_stream = roles.embedding is None, not roles.heads
+    model.set_stream_markers(stream_in if takes_stream else None, stream_out if returns_stream else None)
+    if takes_stream:
+        example_inputs = (shard_tensor(example_inputs[0], example_inputs[0].dim() - 1, world, rank), *example_inputs[1:])
+    model._boost_stream_shards = world
+    return tuple(example_inputs)
 
 
 class _Checked(Exception):

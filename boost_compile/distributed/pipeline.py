@@ -198,7 +198,24 @@ def _kept_layers(layers: nn.ModuleList, keep: range) -> nn.ModuleDict:
     return nn.ModuleDict({str(i): layers[i] for i in keep})
 
 
-class LlamaStage(nn.Module):
+class _StreamMarkers:
+    """Where ``parallelize_(stage, ..., stream_io=True)`` marks a btp stage's input and output as
+    this rank's d-slice of the stream (identity otherwise)."""
+
+    _stream_in: Callable[[Tensor], Tensor] | None = None
+    _stream_out: Callable[[Tensor], Tensor] | None = None
+
+    def set_stream_markers(self, stream_in: Callable[[Tensor], Tensor] | None, stream_out: Callable[[Tensor], Tensor] | None) -> None:
+        self._stream_in, self._stream_out = stream_in, stream_out
+
+    def _enter(self, x: Tensor) -> Tensor:
+        return self._stream_in(x) if self._stream_in is not None else x
+
+    def _leave(self, h: Tensor) -> Tensor:
+        return self._stream_out(h) if self._stream_out is not None else h
+
+
+class LlamaStage(_StreamMarkers, nn.Module):
     """One pipeline stage of :class:`boost_compile.models.Llama` (see :func:`split_model`)."""
 
     def __init__(self, parts: dict[str, Any], rope: tuple[Tensor, Tensor], max_seq_len: int,
@@ -213,6 +230,7 @@ class LlamaStage(nn.Module):
         if "head" in parts:
             self.norm = parts["norm"]
             self.output = parts["head"]
+            self.vocab_size = parts["head"].weight.shape[0]
         self.register_buffer("rope_cos", rope[0], persistent=False)
         self.register_buffer("rope_sin", rope[1], persistent=False)
 
@@ -220,14 +238,14 @@ class LlamaStage(nn.Module):
         seq = x.shape[1]
         if seq > self.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.max_seq_len}")
-        h = self.tok_embeddings(x) if hasattr(self, "tok_embeddings") else x
+        h = self.tok_embeddings(x) if hasattr(self, "tok_embeddings") else self._enter(x)
         cos = self.rope_cos[:seq].to(h.dtype)
         sin = self.rope_sin[:seq].to(h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if hasattr(self, "output"):
             return self.output(self.norm(h))
-        return h
+        return self._leave(h)
 
 
 def _causal_mask(config: Any, hidden: Tensor, position_ids: Tensor) -> Any:
@@ -248,7 +266,7 @@ def _causal_mask(config: Any, hidden: Tensor, position_ids: Tensor) -> Any:
     return create_causal_mask(**{k: v for k, v in values.items() if k in params})
 
 
-class HFLlamaStage(nn.Module):
+class HFLlamaStage(_StreamMarkers, nn.Module):
     """One pipeline stage of a Hugging Face ``LlamaForCausalLM``-family model (see :func:`split_model`).
 
     Parameter FQNs are the whole model's (``model.embed_tokens.weight``,
@@ -269,9 +287,10 @@ class HFLlamaStage(nn.Module):
         if "head" in parts:
             self.model.norm = parts["norm"]
             self.lm_head = parts["head"]
+            self.vocab_size = parts["head"].weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.model.embed_tokens(x) if hasattr(self.model, "embed_tokens") else x
+        h = self.model.embed_tokens(x) if hasattr(self.model, "embed_tokens") else self._enter(x)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.model.rotary_emb(h, position_ids)
         mask = _causal_mask(self.config, h, position_ids) if self.config is not None else None
@@ -280,7 +299,7 @@ class HFLlamaStage(nn.Module):
             h = out[0] if isinstance(out, tuple) else out
         if hasattr(self, "lm_head"):
             return self.lm_head(self.model.norm(h))
-        return h
+        return self._leave(h)
 
 
 def split_model(
@@ -357,12 +376,13 @@ def _example_io(stage: LlamaStage | HFLlamaStage, example: Tensor) -> tuple[Tens
     mb, seq = example.shape[:2]
     first = stage.stage_index == 0
     last = stage.stage_index == stage.num_stages - 1
-    # requires_grad is part of PipelineStage's static metadata: the stream carries gradients back
-    hidden = torch.empty(mb, seq, stage.hidden_size, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
+    # requires_grad is part of PipelineStage's static metadata: the stream carries gradients back;
+    # a stage parallelized with btp (parallelize_(..., stream_io=True)) sends its d-slice
+    width = stage.hidden_size // getattr(stage, "_boost_stream_shards", 1)
+    hidden = torch.empty(mb, seq, width, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
     inp = torch.empty(mb, seq, dtype=example.dtype, device="meta") if first else hidden
-    if last:
-        head = stage.output if isinstance(stage, LlamaStage) else stage.lm_head
-        out = torch.empty(mb, seq, head.weight.shape[0], dtype=head.weight.dtype, device="meta", requires_grad=True)
+    if last:  # the logits, whole (a vocabulary-parallel head's are gathered for the loss)
+        out = torch.empty(mb, seq, stage.vocab_size, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
     else:
         out = hidden
     return inp, out
