@@ -12,9 +12,10 @@ or ``runs/multirun/<date>/<time>/<job>`` in a sweep) with the composed config
 evaluation), ``loss.png``, ``summary.json`` and ``checkpoints/step_*`` (DCP). A
 sweep ends with ``summary.csv`` and ``summary.md`` in its folder.
 
-Parallelism: ``torchrun`` starts ``dp * tp`` processes; they form a 2-D
-DeviceMesh ``(dp, tp)``. Tensor parallelism shards the model with
-``boost_compile.parallelize_`` over the ``tp`` dimension; data parallelism wraps
+Parallelism: ``torchrun`` starts ``pp * dp * tp`` processes; they form the
+DeviceMesh ``(dp, tp)``, or ``(pp, dp, tp)`` with pipeline parallelism
+(``parallel.pp``, :mod:`~boost_compile.train.pipeline`). Tensor parallelism
+shards the model with ``boost_compile.parallelize_`` over the ``tp`` dimension; data parallelism wraps
 the compiled model in DDP over the ``dp`` dimension (README: why DDP).
 
 One job per module:
@@ -24,6 +25,7 @@ One job per module:
 - :mod:`~boost_compile.train.data`: the corpus, byte tokens, per-rank loaders
 - :mod:`~boost_compile.train.model`: building (and factorizing) the model
 - :mod:`~boost_compile.train.parallel`: processes, the device mesh, tp, compile, DDP
+- :mod:`~boost_compile.train.pipeline`: pipeline parallelism (``parallel.pp``): stages, step, evaluation
 - :mod:`~boost_compile.train.optim`: the optimizer and learning-rate schedule
 - :mod:`~boost_compile.train.loop`: the trainer: steps, evaluation, gradient clipping
 - :mod:`~boost_compile.train.checkpoint`: DCP checkpoints, resuming, signals

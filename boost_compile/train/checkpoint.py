@@ -81,10 +81,17 @@ class Checkpointer:
 
     # state -------------------------------------------------------------------------
 
-    def _state(self, step: int) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _state(self, step: int, flatten: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint holds. ``flatten``: the optimizer's param groups keyed by parameter
+        name (``optim.param_groups.layers.1....lr``) instead of by group index; the default with
+        pipeline parallelism, where each stage saves the groups of its own parameters (keyed by
+        index, DCP would keep one rank's groups for every stage)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if flatten is None:
+            flatten = self.dev.pp > 1
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
         if self.dev.tp > 1:
             model_sd, optim_sd = self._to_dtensors(model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
@@ -158,8 +165,10 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        state = self._state(0)
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        # a pipeline run's checkpoint keys the param groups by parameter name (see _state)
+        flat = any(k.startswith("optim.param_groups.") for k in saved) and "optim.param_groups.0.lr" not in saved
+        state = self._state(0, flatten=flat)
         key = f"rng.rank{self.dev.rank}."
         if not any(k.startswith(key) for k in saved):
             log.warning("checkpoint %s has no RNG state for rank %d; keeping this run's", path, self.dev.rank)
@@ -173,10 +182,11 @@ class Checkpointer:
 
         model_sd = {name: unwrap(name, t) for name, t in state["model"].items()}
         optim_sd = state["optim"]
-        optim_sd = {
-            **optim_sd,
-            "state": {n: {k: unwrap(n, t) for k, t in st.items()} for n, st in optim_sd.get("state", {}).items()},
-        }
+        if "state" in optim_sd:
+            optim_sd = {
+                **optim_sd,
+                "state": {n: {k: unwrap(n, t) for k, t in st.items()} for n, st in optim_sd["state"].items()},
+            }
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         meta = state["meta"]
         self.scheduler.load_state_dict(meta["scheduler"])

@@ -75,17 +75,32 @@ class FactorizeGroup:
 
 @dataclass
 class ParallelConfig:
-    """``parallel=``: the 2-D mesh, ``dp`` data-parallel x ``tp`` tensor-parallel ranks.
+    """``parallel=``: the mesh, ``pp`` pipeline x ``dp`` data-parallel x ``tp`` tensor-parallel ranks.
 
-    ``dp * tp`` must equal the number of processes (``torchrun --nproc-per-node``
-    times nodes). ``plan`` is ``parallelize_``'s plan for ``tp > 1``.
+    ``pp * dp * tp`` must equal the number of processes (``torchrun
+    --nproc-per-node`` times nodes). ``plan`` is ``parallelize_``'s plan for ``tp > 1``.
     ``dist_backend``: process-group backend; ``auto`` is nccl on CUDA, gloo on CPU.
+
+    Pipeline parallelism (``pp > 1``, :mod:`boost_compile.train.pipeline`): the
+    blocks are cut into ``pp * stages_per_rank`` stages, stage ``i`` on pipeline
+    rank ``i % pp``; ``pp_schedule`` is ``gpipe``, ``1f1b``, ``interleaved_1f1b``
+    or ``zero_bubble`` (the interleaved two need ``stages_per_rank >= 2``);
+    ``microbatches`` splits each rank's batch (null: ``pp``).
     """
 
     dp: int = 1
     tp: int = 1
     plan: str = "auto"
     dist_backend: str = "auto"
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+
+    @property
+    def n_microbatches(self) -> int:
+        """``microbatches``, or ``pp`` when it is not set."""
+        return self.microbatches if self.microbatches is not None else self.pp
 
 
 @dataclass
@@ -458,6 +473,85 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def model_layers(shape: ModelShape) -> int:
+    """The number of decoder blocks of the model ``shape`` describes."""
+    if shape.kind == "preset":
+        return int(shape.llama_config.n_layers)
+    return int(getattr(shape.hf_config, "num_hidden_layers", 0) or 0)
+
+
+def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
+    """The ``parallel.pp*`` options: a cut, a schedule and micro-batches that can work."""
+    from boost_compile.distributed.pipeline import SCHEDULES as PP_SCHEDULES
+
+    par, tr = tc.parallel, tc.trainer
+    _positive("parallel.pp", par.pp)
+    _positive("parallel.stages_per_rank", par.stages_per_rank)
+    if par.microbatches is not None:
+        _positive("parallel.microbatches", par.microbatches)
+    _choice("parallel.pp_schedule", par.pp_schedule, tuple(PP_SCHEDULES))
+    if par.pp == 1:
+        if par.stages_per_rank != 1 or par.microbatches is not None:
+            raise ConfigError(
+                "parallel.stages_per_rank and parallel.microbatches configure pipeline parallelism; "
+                f"set parallel.pp > 1 (got pp=1, stages_per_rank={par.stages_per_rank}, "
+                f"microbatches={par.microbatches})"
+            )
+        return
+    if par.tp > 1:
+        raise ConfigError("parallel.pp with parallel.tp > 1 is not supported yet")
+    if shape.tie_embeddings:
+        raise ConfigError(
+            f"parallel.pp={par.pp}: the model's output head is tied to its embedding (tie_embeddings), and "
+            "the embedding is on the first pipeline stage while the head is on the last; use an untied model "
+            "(model.overrides.tie_embeddings=false / hf_config tie_word_embeddings=false) or parallel.pp=1"
+        )
+    virtual = PP_SCHEDULES[par.pp_schedule][1]
+    if virtual and par.stages_per_rank < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={par.pp_schedule} interleaves several stages per rank: set "
+            "parallel.stages_per_rank >= 2 (or use pp_schedule=1f1b / gpipe)"
+        )
+    if not virtual and par.stages_per_rank != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank, got parallel.stages_per_rank="
+            f"{par.stages_per_rank}; use pp_schedule=interleaved_1f1b for several stages per rank"
+        )
+    if par.pp_schedule == "zero_bubble" and tc.passes.backend != "none":
+        raise ConfigError(
+            "parallel.pp_schedule=zero_bubble splits each backward into input and weight gradients, which a "
+            f"compiled stage (passes.backend={tc.passes.backend}: one fused backward graph) cannot do "
+            "(PyTorch refuses it); use pp_schedule=interleaved_1f1b, or passes=none for uncompiled stages"
+        )
+    stages = par.pp * par.stages_per_rank
+    n_layers = model_layers(shape)
+    if n_layers < stages:
+        raise ConfigError(
+            f"parallel.pp={par.pp} x stages_per_rank={par.stages_per_rank} = {stages} pipeline stages, but the "
+            f"model has {n_layers} blocks: every stage needs at least one block; use fewer stages or more layers "
+            "(model.overrides.n_layers=...)"
+        )
+    n_mb = par.n_microbatches
+    if tr.batch % par.dp == 0 and (tr.batch // par.dp) % n_mb:
+        local = tr.batch // par.dp
+        raise ConfigError(
+            f"the per-rank batch (trainer.batch={tr.batch} / parallel.dp={par.dp} = {local}) must be divisible "
+            f"by parallel.microbatches={n_mb}"
+        )
+    if par.pp_schedule == "1f1b" and n_mb < par.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+            f"parallel.microbatches={n_mb} < parallel.pp={par.pp}"
+        )
+    if virtual:
+        rounds = max(1, n_mb // par.pp)
+        if n_mb % rounds:
+            raise ConfigError(
+                f"parallel.pp_schedule={par.pp_schedule} needs parallel.microbatches ({n_mb}) to be a multiple "
+                f"of the rounds microbatches // pp = {rounds}; use a multiple of parallel.pp={par.pp}"
+            )
+
+
 def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
     """Check every group; raise :class:`ConfigError` with a message naming the fix.
 
@@ -531,18 +625,23 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
                 "use parallel.plan=btp or megatron with data parallelism"
             )
 
+    check_pipeline(tc, shape)
+
     # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
-    world = par.dp * par.tp
+    world = par.pp * par.dp * par.tp
     started = env_world_size() if world_size is None else world_size
     if world != started:
+        mesh = f"dp={par.dp} x tp={par.tp}" if par.pp == 1 else f"pp={par.pp} x dp={par.dp} x tp={par.tp}"
+        flags = f"parallel.dp={par.dp} parallel.tp={par.tp}" + (f" parallel.pp={par.pp}" if par.pp > 1 else "")
+        product = "dp * tp" if par.pp == 1 else "pp * dp * tp"
         if started == 1:
             raise ConfigError(
-                f"parallel dp={par.dp} x tp={par.tp} needs {world} processes, but this is a single process; "
-                f"launch with: torchrun --nproc-per-node {world} -m boost_compile.train parallel.dp={par.dp} parallel.tp={par.tp} ..."
+                f"parallel {mesh} needs {world} processes, but this is a single process; "
+                f"launch with: torchrun --nproc-per-node {world} -m boost_compile.train {flags} ..."
             )
         raise ConfigError(
-            f"parallel dp={par.dp} x tp={par.tp} = {world} ranks, but {started} processes were started "
-            f"(WORLD_SIZE); make dp * tp equal the number of processes"
+            f"parallel {mesh} = {world} ranks, but {started} processes were started "
+            f"(WORLD_SIZE); make {product} equal the number of processes"
         )
 
     # optim

@@ -118,14 +118,18 @@ def make_train_step(
 
 @torch.no_grad()
 def evaluate(forward: nn.Module, data: PackedTokens, n_batches: int | None, dev: Dist, autocast: Any) -> float:
-    """Mean loss over this rank's first ``n_batches`` val batches, averaged over dp."""
+    """Mean loss over this rank's first ``n_batches`` val batches, averaged over dp.
+
+    With pipeline parallelism ``forward`` gives the loss on the last stage and
+    zeros elsewhere; the sum over pp puts it on every rank.
+    """
     count = len(data) if n_batches is None else min(n_batches, len(data))
     total = torch.zeros((), device=dev.device)
     for index in range(count):
         inputs, targets = data.batch(0, index)
         with autocast():
             total += forward(inputs.to(dev.device), targets.to(dev.device)).float()
-    return float(dev.mean_over_dp(total / max(1, count)))
+    return float(dev.sum_over_pp(dev.mean_over_dp(total / max(1, count))))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -167,6 +171,8 @@ class Trainer:
         corpus = load_corpus(tc.data, self.run_dir, dev)  # tokenized (and tokenizer.json saved)
         self.shape = fit_vocab(self.shape, tc.model, corpus.tokenizer.vocab_size)
         train_data, val_data = make_loaders(tc, corpus, dev)
+        if dev.pp > 1:
+            return self._fit_pipeline(train_data, val_data)
         example = train_data.batch(0, 0)[0].to(dev.device) if dev.tp > 1 else None
         parts = build_model_parts(
             tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data)
@@ -174,6 +180,17 @@ class Trainer:
         assert self.optimizer is not None
         self._describe(parts.model)
         step = make_train_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
+        return self.train(step, train_data, val_data, parts.eval_fn)
+
+    def _fit_pipeline(self, train_data: PackedTokens, val_data: PackedTokens) -> dict[str, Any]:
+        """``parallel.pp > 1``: this rank's stages, the schedule's step, the pipeline's evaluation."""
+        from boost_compile.train.pipeline import build_pipeline_parts, make_pipeline_step
+
+        tc, dev = self.tc, self.dev
+        parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data))
+        assert self.optimizer is not None
+        self._describe(parts.model, parts.total_params)
+        step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
         return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
@@ -186,16 +203,22 @@ class Trainer:
             self.start = self.ckpt.load(self.resume_from)
             log.info("resumed from %s (step %d)", self.resume_from, self.start)
 
-    def _describe(self, model: nn.Module) -> None:
+    def _describe(self, model: nn.Module, params: int | None = None) -> None:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer
-        params = sum(global_numel(p, dev) for p in model.parameters())
+        if params is None:
+            params = sum(global_numel(p, dev) for p in model.parameters())
         boost = boost_options(tc.passes)
         backend = tc.passes.backend + (f"(inner={boost.inner})" if boost is not None else "")
         model_name = tc.model.preset if self.shape.kind == "preset" else f"hf:{self.shape.hf_config.model_type}"
-        self.title = f"{model_name}, {backend}, dp={dev.dp} tp={dev.tp}: {self.label}"
+        mesh = f"dp={dev.dp} tp={dev.tp}" if dev.pp == 1 else f"pp={dev.pp} dp={dev.dp} tp={dev.tp}"
+        self.title = f"{model_name}, {backend}, {mesh}: {self.label}"
+        if dev.pp > 1:
+            par = tc.parallel
+            mesh += (f" pp_schedule={par.pp_schedule} microbatches={par.n_microbatches} "
+                     f"stages_per_rank={par.stages_per_rank}")
         log.info(
-            "model=%s params=%s backend=%s device=%s dp=%d tp=%d batch=%d seq=%d steps=%d precision=%s threads=%d",
-            model_name, f"{params:,}", backend, dev.device, dev.dp, dev.tp, tr.batch, tr.seq, tr.steps,
+            "model=%s params=%s backend=%s device=%s %s batch=%d seq=%d steps=%d precision=%s threads=%d",
+            model_name, f"{params:,}", backend, dev.device, mesh, tr.batch, tr.seq, tr.steps,
             tr.precision, torch.get_num_threads(),
         )
         log.info("run folder: %s", self.run_dir)

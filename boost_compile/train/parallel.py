@@ -1,9 +1,10 @@
 """Processes, the device mesh, and the model as each rank runs it.
 
-``torchrun`` starts ``dp * tp`` processes; :func:`setup_distributed` joins them
-and :func:`build_mesh` lays them out as the DeviceMesh ``(dp, tp)`` (the one
-place the mesh's shape is decided). :func:`build_model_parts` is the whole
-sequence from config to a trainable model: build (and factorize), shard over
+``torchrun`` starts ``pp * dp * tp`` processes; :func:`setup_distributed` joins
+them and :func:`build_mesh` lays them out as the DeviceMesh ``(dp, tp)``, or
+``(pp, dp, tp)`` with pipeline parallelism (the one place the mesh's shape is
+decided): a TP group is consecutive ranks, then dp, pp outermost.
+:func:`build_model_parts` is the whole sequence from config to a trainable model: build (and factorize), shard over
 ``tp`` with ``boost_compile.parallelize_``, cast, compile, and wrap in DDP over
 ``dp`` (README: why DDP).
 """
@@ -27,6 +28,7 @@ from boost_compile.train.model import build_model
 log = logging.getLogger("boost_compile.train")
 
 MESH_DIMS = ("dp", "tp")
+MESH_DIMS_PP = ("pp", "dp", "tp")  # with parallel.pp > 1
 
 
 # ----------------------------------------------------------------------------- processes
@@ -34,7 +36,10 @@ MESH_DIMS = ("dp", "tp")
 
 @dataclass
 class Dist:
-    """This process's place in the ``(dp, tp)`` mesh."""
+    """This process's place in the ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` when ``pp > 1``.
+
+    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+    """
 
     world: int
     rank: int
@@ -42,10 +47,15 @@ class Dist:
     tp: int
     device: torch.device
     mesh: Any = None  # DeviceMesh when world > 1
+    pp: int = 1
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dp * self.tp)
 
     @property
     def tp_rank(self) -> int:
@@ -73,6 +83,14 @@ class Dist:
         dist.all_reduce(value, group=self.group("dp"))
         return value / self.dp
 
+    def sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the pipeline ranks: a value only one stage holds (zeros elsewhere), on every stage."""
+        if self.pp == 1:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, group=self.group("pp"))
+        return value
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on one of them."""
         if self.world == 1:
@@ -82,15 +100,18 @@ class Dist:
         return bool(box.item())
 
 
-def build_mesh(device: torch.device, dp: int, tp: int) -> Any:
-    """The DeviceMesh over every process: ``dp`` replicas of ``tp`` consecutive ranks."""
+def build_mesh(device: torch.device, dp: int, tp: int, pp: int = 1) -> Any:
+    """The DeviceMesh over every process: ``dp`` replicas of ``tp`` consecutive ranks,
+    and with ``pp > 1`` ``pp`` such blocks of ``dp * tp`` ranks (dims ``("pp", "dp", "tp")``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    if pp == 1:
+        return init_device_mesh(device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS_PP)
 
 
 def setup_distributed(tc: TrainConfig) -> Dist:
-    """Join the process group torchrun set up (if any) and build the (dp, tp) mesh."""
+    """Join the process group torchrun set up (if any) and build the (dp, tp) or (pp, dp, tp) mesh."""
     par = tc.parallel
     world = env_world_size()
     rank = int(os.environ.get("RANK", "0"))
@@ -105,8 +126,8 @@ def setup_distributed(tc: TrainConfig) -> Dist:
         if not dist.is_initialized():
             backend = par.dist_backend if par.dist_backend != "auto" else ("nccl" if use_cuda else "gloo")
             dist.init_process_group(backend, device_id=device if use_cuda else None)
-        mesh = build_mesh(device, par.dp, par.tp)
-    return Dist(world=world, rank=rank, dp=par.dp, tp=par.tp, device=device, mesh=mesh)
+        mesh = build_mesh(device, par.dp, par.tp, par.pp)
+    return Dist(world=world, rank=rank, dp=par.dp, tp=par.tp, device=device, mesh=mesh, pp=par.pp)
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -1,0 +1,252 @@
+"""Pipeline parallelism in ``boost-train`` (``parallel.pp > 1``), on :mod:`boost_compile.distributed.pipeline`.
+
+Every rank builds the whole model from the shared seed (so every stage starts
+from the one-process run's weights), cuts its own stages out of it with
+``split_model`` (stage ``i`` of ``pp * stages_per_rank`` on pipeline rank
+``i % pp``), frees the rest, and compiles each stage like the one-process path
+compiles the model. A training step is ``pipeline_step`` on the schedule, then:
+
+* data parallelism (``dp > 1``): the stage gradients are averaged over the dp
+  group with one all-reduce per dtype after the schedule's backward. DDP cannot
+  wrap the stages here: ``build_schedule`` takes the modules ``split_model``
+  made (optionally compiled), and PyTorch's ``PipelineStage`` would need the DDP
+  module itself to drive its reducer micro-batch by micro-batch;
+* gradient clipping: the squared norms of the local stages' gradients are
+  summed over the pp group, so every stage clips with the global norm;
+* the loss: the last stage's mean micro-batch loss, averaged over dp and summed
+  over pp (the other stages add zeros), so every rank, rank 0 included, has it.
+
+The optimizer, gradient clipping and checkpoints see :class:`StageParameters`, one
+module holding this rank's stage modules under the whole model's names
+(``layers.3...``, ``tok_embeddings.weight``; a Hugging Face model's under
+``hf.``), so a DCP checkpoint of a pipeline run names each parameter and its
+optimizer state as the one-process run does, every rank saving its own stages.
+
+Evaluation (:class:`PipelineForward`) runs the stages forward in order, eager and
+without gradients, sending the hidden stream point to point over the pp group;
+the last stage computes the loss on the whole val batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from boost_compile.config import ConfigError
+from boost_compile.train.config import ModelShape, TrainConfig
+from boost_compile.train.model import HFCausalLM, build_model
+from boost_compile.train.parallel import Dist, compile_model
+
+log = logging.getLogger("boost_compile.train")
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The micro-batch mean loss, as the whole model's ``forward(tokens, targets)`` computes it."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class StageParameters(nn.Module):
+    """This rank's stage modules under the whole model's names (no forward).
+
+    A fresh tree of plain modules whose leaves are the stages' own submodules
+    (shared, not copied): ``named_parameters()`` gives ``layers.0...`` for the
+    block that stage 0 holds and ``layers.2...`` for stage 2's, as the whole
+    model names them.
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], prefix: str = "") -> None:
+        super().__init__()
+        root: nn.Module = self
+        if prefix:
+            root = nn.Module()
+            self.add_module(prefix, root)
+        fresh = {id(root)}
+        for stage in stages:
+            self._place(root, stage, fresh)
+
+    @staticmethod
+    def _place(dst: nn.Module, src: nn.Module, fresh: set[int]) -> None:
+        for name, p in src.named_parameters(recurse=False):
+            dst.register_parameter(name, p)
+        for name, child in src.named_children():
+            mine = dst._modules.get(name)
+            if mine is None:
+                dst.add_module(name, child)
+                continue
+            if id(mine) not in fresh:  # another stage's module at this path: split it into a fresh node
+                node = nn.Module()
+                fresh.add(id(node))
+                StageParameters._place(node, mine, fresh)
+                dst._modules[name] = node
+                mine = node
+            StageParameters._place(mine, child, fresh)
+
+    def forward(self, *args: Any) -> Any:  # pragma: no cover - a holder, never called
+        raise RuntimeError("StageParameters holds parameters; run the stages through the schedule")
+
+
+def _send_recv_peer(dev: Dist, pp_rank: int) -> int:
+    """The global rank of pipeline rank ``pp_rank`` in this rank's pp group."""
+    return dist.get_global_rank(dev.group("pp"), pp_rank)
+
+
+class PipelineForward(nn.Module):
+    """``forward(tokens, targets)``: the loss of the whole batch through the pipeline, no gradients.
+
+    Returns the loss on the ranks holding the last stage and zeros elsewhere
+    (:func:`~boost_compile.train.loop.evaluate` sums it over pp).
+    """
+
+    def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, dev: Dist) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.indices = list(indices)
+        self.num_stages = num_stages
+        self.dev = dev
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dev, pp = self.dev, self.dev.pp
+        group = dev.group("pp")
+        local = dict(zip(self.indices, self.stages, strict=True))
+        h: torch.Tensor | None = None
+        loss = torch.zeros((), device=tokens.device)
+        for i in range(self.num_stages):
+            stage = local.get(i)
+            if stage is None:
+                continue
+            if i == 0:
+                x = tokens
+            else:
+                x = torch.empty(*tokens.shape, stage.hidden_size, dtype=stage.hidden_dtype, device=tokens.device)
+                dist.recv(x, src=_send_recv_peer(dev, (i - 1) % pp), group=group)
+            h = stage(x)
+            if i == self.num_stages - 1:
+                loss = loss_fn(h, targets)
+            else:
+                dist.send(h.contiguous(), dst=_send_recv_peer(dev, (i + 1) % pp), group=group)
+        return loss
+
+
+@dataclass
+class PipelineParts:
+    """This rank's share of the pipeline."""
+
+    model: StageParameters  # the local stages' parameters, whole-model names: optimizer, checkpoints, clipping
+    stages: list[nn.Module]  # eager stage modules (split_model's)
+    indices: list[int]  # their stage indices
+    num_stages: int
+    schedule: Any  # the torch.distributed.pipelining schedule over the compiled stages
+    eval_fn: PipelineForward
+    total_params: int  # of the whole model
+
+
+def build_pipeline_parts(
+    tc: TrainConfig,
+    shape: ModelShape,
+    dev: Dist,
+    *,
+    before_compile: Callable[[nn.Module], None] | None = None,
+) -> PipelineParts:
+    """Build the model, keep this rank's stages, cast, bind (``before_compile``), compile, schedule."""
+    from boost_compile.distributed.pipeline import PipelineError, build_schedule, split_model
+
+    par, tr = tc.parallel, tc.trainer
+    whole = build_model(tc, shape, dev.device)
+    total = sum(p.numel() for p in whole.parameters())
+    target, prefix = (whole.hf, "hf") if isinstance(whole, HFCausalLM) else (whole, "")
+    num_stages = dev.pp * par.stages_per_rank
+    indices = list(range(dev.pp_rank, num_stages, dev.pp))
+    try:
+        stages = [split_model(target, i, num_stages) for i in indices]
+    except PipelineError as exc:
+        raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
+    del whole, target
+    if tr.precision == "bf16-true":
+        for stage in stages:
+            stage.to(torch.bfloat16)
+    holder = StageParameters(stages, prefix)
+    if before_compile is not None:
+        before_compile(holder)
+    compiled = [compile_model(stage, tc) for stage in stages]
+    local_batch = tr.batch // dev.dp
+    n_mb = par.n_microbatches
+    example = torch.zeros(local_batch // n_mb, tr.seq, dtype=torch.long, device=dev.device)
+    try:
+        schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss_fn,
+                                  example, batch_size=local_batch, device=dev.device)
+    except PipelineError as exc:
+        raise ConfigError(f"parallel.pp_schedule={par.pp_schedule}: {exc}") from exc
+    for i, stage in zip(indices, stages, strict=True):
+        log.info("pipeline stage %d/%d on pp rank %d: blocks %s%s%s", i, num_stages, dev.pp_rank,
+                 list(stage.layer_range), " + embedding" if i == 0 else "", " + head" if i == num_stages - 1 else "")
+    return PipelineParts(
+        model=holder, stages=stages, indices=indices, num_stages=num_stages, schedule=schedule,
+        eval_fn=PipelineForward(stages, indices, num_stages, dev), total_params=total,
+    )
+
+
+def average_over_dp(params: Sequence[torch.Tensor], dev: Dist) -> None:
+    """Average the gradients of ``params`` over the dp group, one flat all-reduce per dtype."""
+    if dev.dp == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=dev.group("dp"))
+        flat /= dev.dp
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def clip_grad_norm_pp(params: Sequence[torch.Tensor], max_norm: float, dev: Dist) -> float:
+    """Clip to the global gradient norm of every stage (squared norms summed over pp)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.detach().float()) for g in grads]
+    sq = torch.linalg.vector_norm(torch.stack(norms)) ** 2 if norms else torch.zeros((), device=dev.device)
+    total = dev.sum_over_pp(sq).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return float(total)
+
+
+def make_pipeline_step(
+    parts: PipelineParts,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    grad_clip: float,
+    dev: Dist,
+    autocast: Callable[[], Any],
+) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.loop.StepOutput`."""
+    from boost_compile.distributed.pipeline import pipeline_step
+    from boost_compile.train.loop import StepOutput
+
+    params = list(parts.model.parameters())
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        with autocast():
+            loss = pipeline_step(parts.schedule, inputs, targets)
+        average_over_dp(params, dev)
+        grad_norm = clip_grad_norm_pp(params, grad_clip, dev) if grad_clip > 0 else None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        value = loss.float() if loss is not None else torch.zeros((), device=dev.device)
+        value = dev.sum_over_pp(dev.mean_over_dp(value))
+        return StepOutput(loss=float(value), lr=lr, grad_norm=grad_norm)
+
+    return step
