@@ -1,5 +1,7 @@
-"""Worker for PP x TP on four gloo processes: a (pp=2, tp=2) mesh, each stage parallelized with
-btp (the stream between stages d-sharded) or megatron, compiled with backend="boost"."""
+"""Worker for pipelines on four gloo processes, a 2 x 2 mesh ("pp", "x"): PP x TP, where each
+stage is parallelized over its pair with btp (the stream between stages d-sharded) or megatron,
+and PP x DP, where each pair splits the batch and averages the stage gradients. Every stage is
+compiled with backend="boost"."""
 
 from __future__ import annotations
 
@@ -29,42 +31,74 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def average_grads(modules: list[torch.nn.Module], group: Any) -> None:
+    for module in modules:
+        for p in module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad /= dist.get_world_size(group)
+
+
 def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """``sc["mode"]``: "tp" (the pair is a TP group) or "dp" (a data-parallel pair)."""
     pp_rank, pp = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    pair, mode = mesh["x"], sc.get("mode", "tp")
+    virtual = sc.get("virtual", 1)
+    num_stages = pp * virtual
+    indices = list(range(pp_rank, num_stages, pp))
     torch.manual_seed(0)
     ref = Llama(LlamaConfig.preset(sc["preset"], n_kv_heads=4, n_layers=4))
-    stage = split_model(ref, pp_rank, pp)
+    stages = [split_model(ref, i, num_stages) for i in indices]
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    mb = BATCH // MICRO
-    example = tokens[:mb] if pp_rank == 0 else torch.randn(mb, SEQ, ref.config.dim)
-    bc.parallelize_(stage, (example,), mesh["tp"], plan=sc["plan"], stream_io=True)
+    local = tokens.chunk(pair.size())[pair.get_local_rank()] if mode == "dp" else tokens
+    mb = local.shape[0] // MICRO
+    out: dict[str, Any] = {"loss": [], "grad": []}
+    if mode == "tp":
+        for i, stage in zip(indices, stages, strict=True):
+            example = local[:mb] if i == 0 else torch.randn(mb, SEQ, ref.config.dim)
+            bc.parallelize_(stage, (example,), pair, plan=sc["plan"], stream_io=True)
+            try:  # run eagerly, a TP stage must refuse (its collectives exist only in the compiled graph)
+                stage(example)
+                out.setdefault("eager_refused", []).append(False)
+            except RuntimeError as exc:
+                out.setdefault("eager_refused", []).append("torch.compile(" in str(exc))
     rec = Recorder()
     config = BoostConfig.from_options({"inner": "aot_eager"})
-    compiled = torch.compile(stage, backend=functools.partial(compile_graph, config=config, recorder=rec))
-    schedule = build_schedule([compiled], [pp_rank], pp, mesh["pp"].get_group(), MICRO, "1f1b", loss_fn,
-                              example_microbatch=tokens[:mb])
+    # dynamic=False: a rank's stages share LlamaStage.forward, and Dynamo would otherwise make the
+    # second stage's shapes symbolic (automatic dynamic shapes on a recompile of the same code)
+    backend = functools.partial(compile_graph, config=config, recorder=rec)
+    compiled = [torch.compile(s, backend=backend, dynamic=False) for s in stages]
+    schedule = build_schedule(compiled, indices, num_stages, mesh["pp"].get_group(), MICRO, sc["schedule"], loss_fn,
+                              example_microbatch=local[:mb])
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-    out: dict[str, Any] = {"loss": [], "grad": []}
-    for _ in range(sc.get("steps", 3)):
+    opts = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]
+    last = num_stages - 1 in indices
+    for _ in range(sc.get("steps", 5)):
         opt_ref.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss_ref = ref(tokens, tokens)
         loss_ref.backward()
-        loss = pipeline_step(schedule, tokens, tokens)
+        loss = pipeline_step(schedule, local, local)
+        if mode == "dp":
+            average_grads(stages, pair.get_group())
+            if last:  # the whole batch's loss: the mean of the pair's halves
+                dist.all_reduce(loss, group=pair.get_group())
+                loss /= pair.size()
         if loss is not None:
             out["loss"].append(rel(loss, loss_ref.detach()))
-        grads = bc.gather_full_grads(stage)
+        grads = {n: g for s in stages for n, g in bc.gather_full_grads(s).items()}
         reference = dict(ref.named_parameters())
         out["grad"].append(max(rel(g, reference[n].grad) for n, g in grads.items() if g is not None))
         out.setdefault("missing_grads", [n for n, g in grads.items() if g is None])
         opt_ref.step()
-        opt.step()
+        for opt in opts:
+            opt.step()
     census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
     out["collectives"] = {k: [c for r in census if r.details["graph"] == k for c in r.details["collectives"]]
                           for k in ("forward", "backward")}
-    out["stage"], out["graphs"] = pp_rank, len(rec.graphs)
-    out["stream_shards"] = getattr(stage, "_boost_stream_shards", 1)
+    out["stages"], out["graphs"] = indices, len(rec.graphs)
+    out["stream_shards"] = [getattr(s, "_boost_stream_shards", 1) for s in stages]
     return out
 
 
@@ -74,7 +108,7 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch._dynamo.config.cache_size_limit = 64
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))  # a TP pair is consecutive ranks
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "x"))  # a TP (or DP) pair is consecutive ranks
     results: dict[str, Any] = {}
     for sc in scenarios:
         try:

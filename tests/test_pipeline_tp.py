@@ -1,10 +1,15 @@
-"""PP x TP on four gloo processes: a (pp=2, tp=2) mesh, each pipeline stage parallelized over its TP
-pair and compiled with backend="boost", against one process running the whole model.
+"""Pipelines on four gloo processes (a 2 x 2 mesh), every stage compiled with backend="boost",
+against one process running the whole model:
 
-Under btp the activation between stages is this rank's d-slice of the residual stream
-([mb, s, d/2]: the point-to-point bytes halve); under megatron it is whole. Three SGD
-steps (lr 0.1), 1F1B with 2 micro-batches: every step's loss within 1e-5 (fp32,
-norm-wise relative) and every gathered gradient within 1e-5.
+* PP x TP: each pipeline stage parallelized over its TP pair. Under btp the activation between
+  stages is this rank's d-slice of the residual stream ([mb, s, d/2]: the point-to-point bytes
+  halve); under megatron it is whole.
+* PP x DP: each pair of ranks holding the same stages splits the batch; the stage gradients are
+  averaged over the pair.
+
+Each runs 1F1B (two stages) or interleaved 1F1B (four stages, two per rank), 5 SGD steps
+(lr 0.1) with 2 micro-batches: every step's loss within 1e-5 (fp32, norm-wise relative) and
+every gathered gradient within 1e-5.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ import torch.multiprocessing as mp
 
 RTOL = 1e-5
 SCENARIOS = [
-    {"name": "btp", "preset": "tiny", "plan": "btp"},
-    {"name": "megatron", "preset": "tiny-dense", "plan": "megatron"},
+    {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b"},
+    {"name": "btp-interleaved", "preset": "tiny", "plan": "btp", "schedule": "interleaved_1f1b", "virtual": 2},
+    {"name": "megatron", "preset": "tiny-dense", "plan": "megatron", "schedule": "1f1b"},
+    {"name": "dp", "preset": "tiny", "mode": "dp", "schedule": "1f1b"},
+    {"name": "dp-interleaved", "preset": "tiny", "mode": "dp", "schedule": "interleaved_1f1b", "virtual": 2},
 ]
 
 
@@ -35,26 +43,39 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
 def test_matches_single_process(results, name):
+    sc = next(s for s in SCENARIOS if s["name"] == name)
     per_rank = [r[name] for r in results]
     for r in per_rank:
         assert "error" not in r, r.get("error")
         assert r["missing_grads"] == []
+        if sc.get("mode", "tp") == "tp":  # every TP stage, with or without the embedding, refuses eager runs
+            assert r["eager_refused"] == [True] * sc.get("virtual", 1)
         assert max(r["grad"]) <= RTOL, r["grad"]
-    # ranks 0, 1: stage 0; ranks 2, 3: stage 1, which sees the loss
-    assert [r["stage"] for r in per_rank] == [0, 0, 1, 1]
+    # ranks 0, 1: stage 0 (and 2); ranks 2, 3: stage 1 (and 3), the last, which sees the loss
+    virtual = sc.get("virtual", 1)
+    expected = [list(range(0, 2 * virtual, 2))] * 2 + [list(range(1, 2 * virtual, 2))] * 2
+    assert [r["stages"] for r in per_rank] == expected
     for r in per_rank[2:]:
-        assert len(r["loss"]) == 3 and max(r["loss"]) <= RTOL, r["loss"]
+        assert len(r["loss"]) == 5 and max(r["loss"]) <= RTOL, r["loss"]
+    # one compiled graph per stage and direction (forward, backward): no recompiles over the steps
+    assert all(r["graphs"] == virtual for r in per_rank), [r["graphs"] for r in per_rank]
 
 
 def test_btp_sends_the_stream_sliced(results):
     # btp: the stages exchange [mb, s, d/2]; stage 0 returns its slice without gathering it, and
     # stage 1 gathers the stream only before the final norm (plus the logits for the loss)
     btp = [r["btp"] for r in results]
-    assert all(r["stream_shards"] == 2 for r in btp)
+    assert all(r["stream_shards"] == [2] for r in btp)
     assert not [c for c in btp[0]["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
     gathers = [c["shape"] for c in btp[2]["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
     assert gathers == [[2, 16, 32], [2, 16, 128]]  # the stream's d/2 slice, the logits' V/2 slice
-    assert all(r["stream_shards"] == 1 for r in (r["megatron"] for r in results))
+    # interleaved: only the last stage (3, on ranks 2 and 3) gathers; stages 0-2 pass slices on
+    inter = [r["btp-interleaved"] for r in results]
+    assert all(r["stream_shards"] == [2, 2] for r in inter)
+    for r in inter[:2]:
+        assert not [c for c in r["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
+    assert all(r["stream_shards"] == [1] for r in (r["megatron"] for r in results))
+    assert all(r["stream_shards"] == [1] and not r["collectives"]["forward"] for r in (r["dp"] for r in results))
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

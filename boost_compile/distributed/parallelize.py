@@ -39,6 +39,7 @@ collectives. Run without the backend, the model raises (``tp_sentinel``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections.abc import Sequence
@@ -416,8 +417,12 @@ def parallelize_(
 
     # The guard goes on the embedding when there is one: a hook on a submodule is
     # traced into the model's graph, a hook on the root module would break it.
-    guarded = model.get_submodule(roles.embedding.rsplit(".", 1)[0]) if roles.embedding else model
-    guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
+    # A pipeline stage without the embedding guards its stream input inside its forward.
+    if roles.embedding is None and hasattr(model, "set_input_guard"):
+        model.set_input_guard(functools.partial(tp_sentinel, plan=plan))
+    else:
+        guarded = model.get_submodule(roles.embedding.rsplit(".", 1)[0]) if roles.embedding else model
+        guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
     model._boost_tp_plan = plan
     report = TPReport(plan, world, specs)
     if stream_io and plan == "btp":

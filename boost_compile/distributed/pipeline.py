@@ -200,15 +200,24 @@ def _kept_layers(layers: nn.ModuleList, keep: range) -> nn.ModuleDict:
 
 class _StreamMarkers:
     """Where ``parallelize_(stage, ..., stream_io=True)`` marks a btp stage's input and output as
-    this rank's d-slice of the stream (identity otherwise)."""
+    this rank's d-slice of the stream (identity otherwise), and where ``parallelize_`` guards the
+    stream input of a stage without the embedding (``set_input_guard``): inside ``forward``, so
+    the guard is part of the stage's one compiled graph (a hook on the stage module would be
+    compiled as a graph of its own, on every call)."""
 
     _stream_in: Callable[[Tensor], Tensor] | None = None
     _stream_out: Callable[[Tensor], Tensor] | None = None
+    _input_guard: Callable[[Tensor], Tensor] | None = None
 
     def set_stream_markers(self, stream_in: Callable[[Tensor], Tensor] | None, stream_out: Callable[[Tensor], Tensor] | None) -> None:
         self._stream_in, self._stream_out = stream_in, stream_out
 
+    def set_input_guard(self, guard: Callable[[Tensor], Tensor] | None) -> None:
+        self._input_guard = guard
+
     def _enter(self, x: Tensor) -> Tensor:
+        if self._input_guard is not None:
+            x = self._input_guard(x)
         return self._stream_in(x) if self._stream_in is not None else x
 
     def _leave(self, h: Tensor) -> Tensor:
@@ -354,7 +363,7 @@ def split_model(
 # ----------------------------------------------------------------------------- the schedule
 
 
-def _stage_meta(module: nn.Module) -> LlamaStage | HFLlamaStage:
+def stage_module(module: nn.Module) -> LlamaStage | HFLlamaStage:
     """The stage module under a ``torch.compile`` wrapper, if any."""
     inner = getattr(module, "_orig_mod", module)
     if not isinstance(inner, LlamaStage | HFLlamaStage):
@@ -448,7 +457,7 @@ def build_schedule(
     if num_stages % pp:
         raise PipelineError(f"{num_stages} stages do not divide evenly over {pp} pipeline ranks")
     for module, index in zip(modules, indices, strict=True):
-        meta = _stage_meta(module)
+        meta = stage_module(module)
         if meta.stage_index != index or meta.num_stages != num_stages:
             raise PipelineError(
                 f"the module given for stage {index} of {num_stages} was split as stage "
@@ -464,11 +473,11 @@ def build_schedule(
             "compiled stage (one fused backward graph) cannot do; use 'interleaved_1f1b' with compiled stages"
         )
     if device is None:
-        device = next(_stage_meta(modules[0]).parameters()).device
+        device = next(stage_module(modules[0]).parameters()).device
     device = torch.device(device)
     stages = []
     for module, index in zip(modules, indices, strict=True):
-        inp, out = _example_io(_stage_meta(module), example_microbatch)
+        inp, out = _example_io(stage_module(module), example_microbatch)
         stages.append(pipelining.PipelineStage(module, index, num_stages, device,
                                                input_args=(inp,), output_args=(out,), group=group))
     cls = getattr(pipelining, cls_name)
