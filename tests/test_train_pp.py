@@ -39,7 +39,9 @@ def rel_diff(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize(
     ("overrides", "world", "message"),
     [
-        (["parallel.pp=2", "parallel.tp=2"], 4, r"^parallel.pp with parallel.tp > 1 is not supported yet$"),
+        (["parallel.pp=2", "parallel.tp=2", "parallel.plan=vanilla"], 4,
+         r"parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron"),
+        (["parallel.pp=2", "parallel.tp=2"], 2, r"parallel pp=2 x dp=1 x tp=2 = 4 ranks, but 2 processes were started"),
         (["parallel.pp=2"], 4, r"parallel pp=2 x dp=1 x tp=1 = 2 ranks, but 4 processes were started"),
         (["parallel.pp=2"], 1, r"needs 2 processes, but this is a single process; launch with: torchrun "
                                r"--nproc-per-node 2 .* parallel.pp=2"),
@@ -72,6 +74,7 @@ def test_pipeline_config_refusals(overrides, world, message):
     ("overrides", "world"),
     [
         (["parallel.pp=2"], 2),
+        (["parallel.pp=2", "parallel.tp=2"], 4),
         (["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=gpipe"], 4),
         (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.stages_per_rank=2", FOUR_LAYERS], 2),
         (["parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.stages_per_rank=2", FOUR_LAYERS,
@@ -149,3 +152,35 @@ def test_pp2_checkpoint_resumes_exactly(tmp_path):
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], abs=1e-6, rel=0)
     single = run(cfg_of(*BASE, *ckpt, *resume), tmp_path / "c")
     assert single["losses"] == pytest.approx(straight["losses"][3:], rel=REL)
+
+
+def test_pp2_tp2_matches_single_process_and_resumes(reference20, tmp_path):
+    """PP2 x TP2 (btp stages, the stream between them d-sharded) is the one-process run: losses,
+    clipped gradient norms and val loss; its checkpoint (TP shards as DTensors, each stage its own)
+    resumes exactly, in the same layout and in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = ("checkpoint.enabled=true", "trainer.save_every=10", "trainer.steps=20", "parallel.microbatches=4")
+    straight = _torchrun(4, [*BASE, *ckpt, "parallel.pp=2", "parallel.tp=2"], tmp_path / "a")
+    assert straight["world"] == 4 and straight["steps"] == 20
+    diff = rel_diff(straight["losses"], reference20["losses"])
+    print(f"pp2 x tp2 1f1b: max relative loss difference over 20 steps {diff:.2e}")
+    assert diff <= REL
+    assert straight["val_loss"] == pytest.approx(reference20["val_loss"], rel=REL)
+    norms = [grad_norms(Path(r["run_dir"])) for r in (straight, reference20)]
+    assert len(norms[0]) == 20 and norms[0] == pytest.approx(norms[1], rel=REL)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_000010"
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    # the whole tensors, written as two TP shards each
+    for name in ("layers.1.attention.q_proj.up.weight", "layers.0.mlp.down_proj.down.weight"):
+        for key in (f"model.{name}", f"optim.state.{name}.exp_avg"):
+            assert len(meta[key].chunks) == 2, key
+    assert tuple(meta["model.layers.1.mlp.gate_proj.up.weight"].size) == (176, 16)
+    resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
+    resumed = _torchrun(4, [*BASE, *ckpt, "parallel.pp=2", "parallel.tp=2", *resume], tmp_path / "b")
+    assert resumed["start_step"] == 10 and resumed["steps"] == 20
+    print(f"pp2 x tp2 resumed at step 10: max relative loss difference "
+          f"{rel_diff(resumed['losses'], straight['losses'][10:]):.2e}")
+    assert resumed["losses"] == pytest.approx(straight["losses"][10:], abs=1e-6, rel=0)
+    single = run(cfg_of(*BASE, *ckpt[:-1], *resume), tmp_path / "c")  # no micro-batches in one process
+    assert single["losses"] == pytest.approx(straight["losses"][10:], rel=REL)

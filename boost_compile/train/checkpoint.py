@@ -17,7 +17,7 @@ import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +139,7 @@ class Checkpointer:
             return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False)
 
         model_sd = {name: wrap(name, t) for name, t in model_sd.items()}
-        states = {name: {k: wrap(name, t) for k, t in st.items()} for name, st in optim_sd.get("state", {}).items()}
-        return model_sd, {**optim_sd, "state": states}
+        return model_sd, _map_optim_state(optim_sd, wrap)
 
     # save / load -------------------------------------------------------------------
 
@@ -181,12 +180,7 @@ class Checkpointer:
             return t.to_local() if is_dtensor(t) and not is_dtensor(params.get(name)) else t
 
         model_sd = {name: unwrap(name, t) for name, t in state["model"].items()}
-        optim_sd = state["optim"]
-        if "state" in optim_sd:
-            optim_sd = {
-                **optim_sd,
-                "state": {n: {k: unwrap(n, t) for k, t in st.items()} for n, st in optim_sd["state"].items()},
-            }
+        optim_sd = _map_optim_state(state["optim"], unwrap)
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         meta = state["meta"]
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -198,6 +192,24 @@ class Checkpointer:
             if "cuda" in rng and self.dev.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.dev.device)
         return int(meta["step"])
+
+
+def _map_optim_state(optim_sd: dict[str, Any], fn: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """A new optimizer state dict with ``fn(parameter name, value)`` applied to each state value.
+
+    Takes both layouts of ``get_state_dict``: nested (``{"state": {name: {"exp_avg": ...}}}``)
+    and flattened (``{"state.<name>.exp_avg": ...}``, pipeline runs).
+    """
+    if "state" in optim_sd:
+        states = {name: {k: fn(name, t) for k, t in st.items()} for name, st in optim_sd["state"].items()}
+        return {**optim_sd, "state": states}
+    out = {}
+    for key, value in optim_sd.items():
+        if key.startswith("state."):
+            name = key[len("state.") :].rsplit(".", 1)[0]
+            value = fn(name, value)
+        out[key] = value
+    return out
 
 
 def _pickled(obj: Any) -> torch.Tensor:

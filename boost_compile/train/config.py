@@ -498,8 +498,11 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
                 f"microbatches={par.microbatches})"
             )
         return
-    if par.tp > 1:
-        raise ConfigError("parallel.pp with parallel.tp > 1 is not supported yet")
+    if par.tp > 1 and par.plan == "vanilla":
+        raise ConfigError(
+            "parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron (their stages pass the stream "
+            "between ranks as plain tensors); plan=vanilla's DTensor stages are not supported with pp"
+        )
     if shape.tie_embeddings:
         raise ConfigError(
             f"parallel.pp={par.pp}: the model's output head is tied to its embedding (tie_embeddings), and "

@@ -65,9 +65,15 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
-    """Clip the global gradient norm; with tp, shards of a parameter count once."""
+    """Clip to the global gradient norm; returns it (before clipping).
+
+    With tp, the shards of a parameter count once (their squared norms are summed
+    over the tp group, a replicated parameter's are not); with pp, every stage's
+    squared norm is summed over the pp group, so every stage clips with the whole
+    model's norm.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
-    if dev.tp == 1:
+    if dev.tp == 1 and dev.pp == 1:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     sharded = torch.zeros((), device=dev.device, dtype=torch.float32)
     whole = torch.zeros((), device=dev.device, dtype=torch.float32)
@@ -82,8 +88,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
             sharded += sq
         else:
             whole += sq
-    dist.all_reduce(sharded, group=dev.group("tp"))
-    total = (sharded + whole).sqrt()
+    if dev.tp > 1:
+        dist.all_reduce(sharded, group=dev.group("tp"))
+    total = dev.sum_over_pp(sharded + whole).sqrt()
     coef = max_norm / (float(total) + 1e-6)
     if max_norm > 0 and coef < 1.0:
         for p in params:

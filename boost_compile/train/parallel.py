@@ -162,13 +162,20 @@ def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Ten
     log.info("%s", report)
 
 
-def compile_model(model: nn.Module, tc: TrainConfig) -> nn.Module:
+def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = None) -> nn.Module:
+    """``torch.compile`` with ``passes.backend`` (``none``: the model itself).
+
+    ``dynamic=False`` for pipeline stages: the stages of one rank share their
+    class's ``forward``, and Dynamo would make the second stage's shapes
+    symbolic (automatic dynamic shapes on a recompile of the same code).
+    """
     passes = tc.passes
     if passes.backend == "none":
         return model
     if passes.backend == "boost":
-        return torch.compile(model, backend="boost", options=dict(passes.options), fullgraph=passes.fullgraph)
-    return torch.compile(model, backend=passes.backend, fullgraph=passes.fullgraph)
+        return torch.compile(model, backend="boost", options=dict(passes.options), fullgraph=passes.fullgraph,
+                             dynamic=dynamic)
+    return torch.compile(model, backend=passes.backend, fullgraph=passes.fullgraph, dynamic=dynamic)
 
 
 def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Module:

@@ -3,7 +3,10 @@
 Every rank builds the whole model from the shared seed (so every stage starts
 from the one-process run's weights), cuts its own stages out of it with
 ``split_model`` (stage ``i`` of ``pp * stages_per_rank`` on pipeline rank
-``i % pp``), frees the rest, and compiles each stage like the one-process path
+``i % pp``), frees the rest, shards each stage over its tp group when
+``tp > 1`` (``parallelize_(stage, ..., stream_io=True)``: under btp a stage
+takes and returns its d-slice of the stream, so the activation sent between
+stages is ``[mb, s, d/tp]``), and compiles each stage like the one-process path
 compiles the model. A training step is ``pipeline_step`` on the schedule, then:
 
 * data parallelism (``dp > 1``): the stage gradients are averaged over the dp
@@ -11,8 +14,9 @@ compiles the model. A training step is ``pipeline_step`` on the schedule, then:
   wrap the stages here: ``build_schedule`` takes the modules ``split_model``
   made (optionally compiled), and PyTorch's ``PipelineStage`` would need the DDP
   module itself to drive its reducer micro-batch by micro-batch;
-* gradient clipping: the squared norms of the local stages' gradients are
-  summed over the pp group, so every stage clips with the global norm;
+* gradient clipping (:func:`~boost_compile.train.loop.clip_grad_norm`): TP
+  shards' squared norms are summed over tp, then every stage's over pp, so
+  every rank clips with the whole model's norm;
 * the loss: the last stage's mean micro-batch loss, averaged over dp and summed
   over pp (the other stages add zeros), so every rank, rank 0 included, has it.
 
@@ -20,11 +24,13 @@ The optimizer, gradient clipping and checkpoints see :class:`StageParameters`, o
 module holding this rank's stage modules under the whole model's names
 (``layers.3...``, ``tok_embeddings.weight``; a Hugging Face model's under
 ``hf.``), so a DCP checkpoint of a pipeline run names each parameter and its
-optimizer state as the one-process run does, every rank saving its own stages.
+optimizer state as the one-process run does, every rank saving its own stages
+(TP shards as DTensors over the tp group, as without pp).
 
-Evaluation (:class:`PipelineForward`) runs the stages forward in order, eager and
-without gradients, sending the hidden stream point to point over the pp group;
-the last stage computes the loss on the whole val batch.
+Evaluation (:class:`PipelineForward`) runs the stages forward in order without
+gradients, micro-batch by micro-batch, sending the hidden stream point to point
+over the pp group: eager stages without tp, the compiled ones with it (a TP
+stage's collectives exist only in its compiled graph).
 """
 
 from __future__ import annotations
@@ -98,40 +104,51 @@ def _send_recv_peer(dev: Dist, pp_rank: int) -> int:
 
 
 class PipelineForward(nn.Module):
-    """``forward(tokens, targets)``: the loss of the whole batch through the pipeline, no gradients.
+    """``forward(tokens, targets)``: the loss of a batch through the pipeline, no gradients.
 
-    Returns the loss on the ranks holding the last stage and zeros elsewhere
+    The batch runs as the training step's micro-batches (``micro_batch`` rows
+    each), one after the other through the stages, and the loss is their mean:
+    compiled stages then meet the shapes they were compiled for. Returns the loss
+    on the ranks holding the last stage and zeros elsewhere
     (:func:`~boost_compile.train.loop.evaluate` sums it over pp).
     """
 
-    def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, dev: Dist) -> None:
+    def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, dev: Dist,
+                 micro_batch: int) -> None:
         super().__init__()
         self.stages = nn.ModuleList(stages)
         self.indices = list(indices)
         self.num_stages = num_stages
         self.dev = dev
+        self.micro_batch = micro_batch
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from boost_compile.distributed.pipeline import stage_module
+
         dev, pp = self.dev, self.dev.pp
         group = dev.group("pp")
         local = dict(zip(self.indices, self.stages, strict=True))
-        h: torch.Tensor | None = None
-        loss = torch.zeros((), device=tokens.device)
-        for i in range(self.num_stages):
-            stage = local.get(i)
-            if stage is None:
-                continue
-            if i == 0:
-                x = tokens
-            else:
-                x = torch.empty(*tokens.shape, stage.hidden_size, dtype=stage.hidden_dtype, device=tokens.device)
-                dist.recv(x, src=_send_recv_peer(dev, (i - 1) % pp), group=group)
-            h = stage(x)
-            if i == self.num_stages - 1:
-                loss = loss_fn(h, targets)
-            else:
-                dist.send(h.contiguous(), dst=_send_recv_peer(dev, (i + 1) % pp), group=group)
-        return loss
+        losses: list[torch.Tensor] = []
+        for x_mb, y_mb in zip(tokens.split(self.micro_batch), targets.split(self.micro_batch), strict=True):
+            for i in range(self.num_stages):
+                stage = local.get(i)
+                if stage is None:
+                    continue
+                if i == 0:
+                    x = x_mb
+                else:
+                    meta = stage_module(stage)
+                    width = meta.hidden_size // getattr(meta, "_boost_stream_shards", 1)
+                    x = torch.empty(*x_mb.shape, width, dtype=meta.hidden_dtype, device=tokens.device)
+                    dist.recv(x, src=_send_recv_peer(dev, (i - 1) % pp), group=group)
+                h = stage(x)
+                if i == self.num_stages - 1:
+                    losses.append(loss_fn(h, y_mb))
+                else:
+                    dist.send(h.contiguous(), dst=_send_recv_peer(dev, (i + 1) % pp), group=group)
+        if not losses:
+            return torch.zeros((), device=tokens.device)
+        return torch.stack(losses).mean()
 
 
 @dataclass
@@ -147,6 +164,21 @@ class PipelineParts:
     total_params: int  # of the whole model
 
 
+def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: TrainConfig, dev: Dist,
+                        micro_batch: int) -> None:
+    """Shard each stage over the tp group; btp stages take and return their d-slice of the stream."""
+    import boost_compile
+
+    seq = tc.trainer.seq
+    for i, stage in zip(indices, stages, strict=True):
+        if i == 0:
+            example = torch.zeros(micro_batch, seq, dtype=torch.long, device=dev.device)
+        else:  # the whole stream; parallelize_ slices it for a btp stage
+            example = torch.zeros(micro_batch, seq, stage.hidden_size, dtype=stage.hidden_dtype, device=dev.device)
+        report = boost_compile.parallelize_(stage, (example,), dev.mesh["tp"], plan=tc.parallel.plan, stream_io=True)
+        log.info("stage %d: %s", i, report)
+
+
 def build_pipeline_parts(
     tc: TrainConfig,
     shape: ModelShape,
@@ -154,7 +186,8 @@ def build_pipeline_parts(
     *,
     before_compile: Callable[[nn.Module], None] | None = None,
 ) -> PipelineParts:
-    """Build the model, keep this rank's stages, cast, bind (``before_compile``), compile, schedule."""
+    """Build the model, keep this rank's stages, shard them over tp, cast, bind (``before_compile``),
+    compile, schedule."""
     from boost_compile.distributed.pipeline import PipelineError, build_schedule, split_model
 
     par, tr = tc.parallel, tc.trainer
@@ -168,16 +201,20 @@ def build_pipeline_parts(
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
     del whole, target
+    local_batch = tr.batch // dev.dp
+    n_mb = par.n_microbatches
+    micro_batch = local_batch // n_mb
+    if dev.tp > 1:
+        _parallelize_stages(stages, indices, tc, dev, micro_batch)
     if tr.precision == "bf16-true":
         for stage in stages:
             stage.to(torch.bfloat16)
+            stage.hidden_dtype = torch.bfloat16  # the stream between stages is bf16 too
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)
-    compiled = [compile_model(stage, tc) for stage in stages]
-    local_batch = tr.batch // dev.dp
-    n_mb = par.n_microbatches
-    example = torch.zeros(local_batch // n_mb, tr.seq, dtype=torch.long, device=dev.device)
+    compiled = [compile_model(stage, tc, dynamic=False) for stage in stages]
+    example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     try:
         schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss_fn,
                                   example, batch_size=local_batch, device=dev.device)
@@ -186,9 +223,12 @@ def build_pipeline_parts(
     for i, stage in zip(indices, stages, strict=True):
         log.info("pipeline stage %d/%d on pp rank %d: blocks %s%s%s", i, num_stages, dev.pp_rank,
                  list(stage.layer_range), " + embedding" if i == 0 else "", " + head" if i == num_stages - 1 else "")
+    # a TP stage runs only through the backend (its collectives are inserted there); evaluation
+    # without TP stays eager, as in the one-process run
+    evaluated = compiled if dev.tp > 1 else stages
     return PipelineParts(
         model=holder, stages=stages, indices=indices, num_stages=num_stages, schedule=schedule,
-        eval_fn=PipelineForward(stages, indices, num_stages, dev), total_params=total,
+        eval_fn=PipelineForward(evaluated, indices, num_stages, dev, micro_batch), total_params=total,
     )
 
 
@@ -210,18 +250,6 @@ def average_over_dp(params: Sequence[torch.Tensor], dev: Dist) -> None:
             offset += g.numel()
 
 
-def clip_grad_norm_pp(params: Sequence[torch.Tensor], max_norm: float, dev: Dist) -> float:
-    """Clip to the global gradient norm of every stage (squared norms summed over pp)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norms = [torch.linalg.vector_norm(g.detach().float()) for g in grads]
-    sq = torch.linalg.vector_norm(torch.stack(norms)) ** 2 if norms else torch.zeros((), device=dev.device)
-    total = dev.sum_over_pp(sq).sqrt()
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return float(total)
-
-
 def make_pipeline_step(
     parts: PipelineParts,
     optimizer: torch.optim.Optimizer,
@@ -232,7 +260,7 @@ def make_pipeline_step(
 ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.loop.StepOutput`."""
     from boost_compile.distributed.pipeline import pipeline_step
-    from boost_compile.train.loop import StepOutput
+    from boost_compile.train.loop import StepOutput, clip_grad_norm
 
     params = list(parts.model.parameters())
 
@@ -240,7 +268,7 @@ def make_pipeline_step(
         with autocast():
             loss = pipeline_step(parts.schedule, inputs, targets)
         average_over_dp(params, dev)
-        grad_norm = clip_grad_norm_pp(params, grad_clip, dev) if grad_clip > 0 else None
+        grad_norm = clip_grad_norm(parts.model, grad_clip, dev) if grad_clip > 0 else None
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
