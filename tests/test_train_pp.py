@@ -122,11 +122,13 @@ def test_pp2_interleaved_1f1b_matches_single_process(reference4l, tmp_path):
     assert pp["val_loss"] == pytest.approx(reference4l["val_loss"], rel=REL)
 
 
-def test_pp2_dp2_matches_single_process(reference4l, tmp_path):
-    pp = _torchrun(4, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.dp=2"], tmp_path / "ppdp")
+def test_pp2_dp2_zero1_matches_single_process(reference4l, tmp_path):
+    """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1)."""
+    pp = _torchrun(4, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1"],
+                   tmp_path / "ppdp")
     assert pp["world"] == 4
     diff = rel_diff(pp["losses"], reference4l["losses"])
-    print(f"pp2 x dp2: max relative loss difference {diff:.2e}")
+    print(f"pp2 x dp2, zero=1: max relative loss difference {diff:.2e}")
     assert diff <= REL
     assert pp["val_loss"] == pytest.approx(reference4l["val_loss"], rel=REL)
 

@@ -27,6 +27,7 @@ from torch import nn
 from boost_compile.config import ConfigError
 from boost_compile.train.config import CheckpointConfig, TrainConfig
 from boost_compile.train.data import PackedTokens
+from boost_compile.train.optim import local_optimizer
 from boost_compile.train.parallel import Dist, is_dtensor
 
 log = logging.getLogger("boost_compile.train")
@@ -81,17 +82,16 @@ class Checkpointer:
 
     # state -------------------------------------------------------------------------
 
-    def _state(self, step: int, flatten: bool | None = None) -> dict[str, Any]:
+    def _state(self, step: int, flatten: bool = True) -> dict[str, Any]:
         """What a checkpoint holds. ``flatten``: the optimizer's param groups keyed by parameter
-        name (``optim.param_groups.layers.1....lr``) instead of by group index; the default with
-        pipeline parallelism, where each stage saves the groups of its own parameters (keyed by
-        index, DCP would keep one rank's groups for every stage)."""
+        name (``optim.param_groups.layers.1....lr``) instead of by group index, as every run saves
+        them: with pipeline parallelism each stage saves the groups of its own parameters, with
+        ``parallel.zero=1`` each dp rank the state of its share (keyed by index, DCP would keep one
+        rank's groups for all). ``flatten=False`` reads a checkpoint saved the older way."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        if flatten is None:
-            flatten = self.dev.pp > 1
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+        model_sd, optim_sd = get_state_dict(self.model, local_optimizer(self.optimizer), options=options)
         if self.dev.tp > 1:
             model_sd, optim_sd = self._to_dtensors(model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
@@ -167,6 +167,11 @@ class Checkpointer:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         # a pipeline run's checkpoint keys the param groups by parameter name (see _state)
         flat = any(k.startswith("optim.param_groups.") for k in saved) and "optim.param_groups.0.lr" not in saved
+        if not flat and local_optimizer(self.optimizer) is not self.optimizer:
+            raise ConfigError(
+                f"checkpoint {path} keys its optimizer's parameter groups by index (an older save): "
+                "parallel.zero=1 cannot split it over the dp ranks; resume it with parallel.zero=0"
+            )
         state = self._state(0, flatten=flat)
         key = f"rng.rank{self.dev.rank}."
         if not any(k.startswith(key) for k in saved):
@@ -181,9 +186,13 @@ class Checkpointer:
 
         model_sd = {name: unwrap(name, t) for name, t in state["model"].items()}
         optim_sd = _map_optim_state(state["optim"], unwrap)
-        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(self.model, local_optimizer(self.optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd)
         meta = state["meta"]
         self.scheduler.load_state_dict(meta["scheduler"])
+        # the learning rate of the next step, on the optimizer that steps: ZeroRedundancyOptimizer
+        # copies its own groups' lr onto its local AdamW at every step, and loading set only the latter's
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
         self.data.load_state_dict(meta["data"])
         if "rng" in state:
             rng = state["rng"][f"rank{self.dev.rank}"]

@@ -86,6 +86,9 @@ class ParallelConfig:
     rank ``i % pp``; ``pp_schedule`` is ``gpipe``, ``1f1b``, ``interleaved_1f1b``
     or ``zero_bubble`` (the interleaved two need ``stages_per_rank >= 2``);
     ``microbatches`` splits each rank's batch (null: ``pp``).
+
+    ``zero=1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
+    ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank.
     """
 
     dp: int = 1
@@ -96,6 +99,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     microbatches: int | None = None
     stages_per_rank: int = 1
+    zero: int = 0
 
     @property
     def n_microbatches(self) -> int:
@@ -629,6 +633,13 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
             )
 
     check_pipeline(tc, shape)
+    if par.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero={par.zero!r}: 0 (no sharding) or 1 (optimizer state sharded over dp)")
+    if par.zero and par.dp == 1:
+        raise ConfigError(
+            "parallel.zero=1 shards the optimizer state over the data-parallel ranks, and parallel.dp=1 has "
+            "one; set parallel.dp > 1 or parallel.zero=0"
+        )
 
     # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
     world = par.pp * par.dp * par.tp

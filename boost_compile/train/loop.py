@@ -37,7 +37,7 @@ from boost_compile.train.metrics import (
     write_summary,
 )
 from boost_compile.train.model import fit_vocab
-from boost_compile.train.optim import make_optimizer
+from boost_compile.train.optim import make_optimizer, state_bytes
 from boost_compile.train.parallel import (
     Dist,
     ModelParts,
@@ -59,6 +59,7 @@ class StepOutput:
     loss: float  # averaged over dp
     lr: float  # the learning rate the step used
     grad_norm: float | None = None  # before clipping; None without optim.grad_clip
+    state: dict[str, int] | None = None  # the first step's: bytes of params, grads, optimizer state on this rank
 
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
@@ -108,6 +109,7 @@ def make_train_step(
 ) -> StepFn:
     """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule."""
     model, train_fn = parts.model, parts.train_fn
+    first = [True]
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         with autocast():
@@ -115,10 +117,12 @@ def make_train_step(
         loss.backward()
         grad_norm = clip_grad_norm(model, grad_clip, dev) if grad_clip > 0 else None
         optimizer.step()
+        state = state_bytes(model, optimizer) if first[0] else None  # gradients and optimizer state all live
+        first[0] = False
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        return StepOutput(loss=float(dev.mean_over_dp(loss.detach().float())), lr=lr, grad_norm=grad_norm)
+        return StepOutput(loss=float(dev.mean_over_dp(loss.detach().float())), lr=lr, grad_norm=grad_norm, state=state)
 
     return step
 
@@ -164,6 +168,7 @@ class Trainer:
         self.scheduler: Any = None
         self.ckpt: Checkpointer | None = None
         self.start = 0  # the step a resumed checkpoint was saved after
+        self.state: dict[str, int] | None = None  # bytes of params, grads, optimizer state (first step)
 
     def autocast(self) -> Any:
         if self.tc.trainer.precision == "bf16-mixed":
@@ -203,7 +208,8 @@ class Trainer:
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
         """Optimizer, schedule and checkpointer over ``model``; restore them when resuming."""
         tc = self.tc
-        self.optimizer, self.scheduler = make_optimizer(model, tc.optim, tc.trainer.steps)
+        zero_group = self.dev.group("dp") if tc.parallel.zero else None
+        self.optimizer, self.scheduler = make_optimizer(model, tc.optim, tc.trainer.steps, zero_group)
         ckpt_dir = checkpoint_dir(tc.checkpoint, self.run_dir)
         self.ckpt = Checkpointer(tc.checkpoint, ckpt_dir, self.dev, model, self.optimizer, self.scheduler, data)
         if self.resume_from is not None:
@@ -260,6 +266,8 @@ class Trainer:
                     else:
                         steady_s += step_s
                     history.append((step, out.loss))
+                    if out.state is not None:
+                        self.state = out.state
                     rate = tokens_per_step / max(step_s, 1e-9)
                     row = {"step": step, "loss": out.loss, "lr": out.lr, "tokens": step * tokens_per_step,
                            "tokens_per_s": rate, "step_s": step_s, "time_s": now - begin}
@@ -301,6 +309,21 @@ class Trainer:
         progress.message(f"step {step:4d} val loss {value:.3f}")
         return value
 
+    def _state_mib(self) -> dict[str, float] | None:
+        """MiB of parameters, gradients and optimizer state on the rank that holds the most of each."""
+        keys = ("params", "grads", "optimizer")
+        if self.state is None:  # no step ran (still a collective with several ranks)
+            values = torch.full((3,), -1.0, dtype=torch.float64)
+        else:
+            values = torch.tensor([float(self.state[k]) for k in keys], dtype=torch.float64)
+        if self.dev.world > 1:
+            values = values.to(self.dev.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        if values[0] < 0:
+            return None
+        mib = {k: float(v) / 2**20 for k, v in zip(keys, values.tolist(), strict=True)}
+        return {**mib, "total": sum(mib.values())}
+
     def _finish(
         self,
         history: list[tuple[int, float]],
@@ -319,6 +342,7 @@ class Trainer:
         peak = torch.tensor([peak_mib], dtype=torch.float64)
         if dev.world > 1 and dev.device.type == "cpu":
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        state_mib = self._state_mib()
         result: dict[str, Any] = {
             "status": status,
             "signal": signal.Signals(signum).name if signum is not None else None,
@@ -333,6 +357,7 @@ class Trainer:
             "losses": [loss for _, loss in history],
             "tokens_per_s": tokens_per_s,
             "peak_mem_mib": float(peak.item()),
+            "state_mib": state_mib,
             "first_step_s": first_step_s,
             "total_s": total_s,
             "world": dev.world,
@@ -347,6 +372,12 @@ class Trainer:
                     "stopped by %s after step %d; checkpoint %s; continue with trainer.resume=true hydra.run.dir=%s",
                     result["signal"], result["steps"], result["checkpoint"], self.run_dir,
                 )
+            if state_mib is not None:
+                log.info(
+                    "per rank (the largest): params %.2f MiB + grads %.2f MiB + optimizer state %.2f MiB = %.2f MiB%s",
+                    state_mib["params"], state_mib["grads"], state_mib["optimizer"], state_mib["total"],
+                    " (optimizer state sharded over dp: parallel.zero=1)" if self.tc.parallel.zero else "",
+                )
             if history:
                 val = f" (val {val_loss:.2f})" if val_loss is not None else ""
                 log.info(
@@ -354,6 +385,6 @@ class Trainer:
                     result["steps"], history[0][1], history[-1][1], val, f"{tokens_per_s:,.0f}", result["peak_mem_mib"],
                     first_step_s, total_s, self.run_dir,
                 )
-            else:
+            if not history:
                 log.info("done: nothing to do, the checkpoint is at or past trainer.steps=%d", tr.steps)
         return result

@@ -28,17 +28,52 @@ def lr_multiplier(total: int, warmup: int, schedule: str, min_ratio: float) -> C
     return scale
 
 
-def make_optimizer(model: nn.Module, opt: OptimConfig, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+def make_optimizer(
+    model: nn.Module, opt: OptimConfig, steps: int, zero_group: Any = None
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW and its schedule. ``zero_group``: shard the optimizer state over this (dp) process
+    group, ZeRO stage 1, with PyTorch's ``ZeroRedundancyOptimizer``: each rank keeps the AdamW
+    state of a share of the parameters, updates that share and broadcasts it to the others."""
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]  # norms, biases: no decay
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": opt.weight_decay}, {"params": vectors, "weight_decay": 0.0}],
-        lr=opt.lr,
-        betas=(opt.betas[0], opt.betas[1]),
-        eps=opt.eps,
-    )
+    groups = [{"params": matrices, "weight_decay": opt.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    hyper = {"lr": opt.lr, "betas": (opt.betas[0], opt.betas[1]), "eps": opt.eps}
+    optimizer: torch.optim.Optimizer
+    if zero_group is None:
+        optimizer = torch.optim.AdamW(groups, **hyper)
+    else:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            [g for g in groups if g["params"]], optimizer_class=torch.optim.AdamW, process_group=zero_group, **hyper
+        )
     warmup = opt.warmup_steps if opt.warmup_steps is not None else max(1, steps // 10)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_multiplier(steps, warmup, opt.schedule, opt.min_lr_ratio)
     )
     return optimizer, scheduler
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: ZeRO's local AdamW, or ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state (local shards only)."""
+
+    def nbytes(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return local.numel() * local.element_size()
+
+    params = list(model.parameters())
+    state = local_optimizer(optimizer).state
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params),
+        "optimizer": sum(nbytes(v) for st in state.values() for v in st.values()),
+    }

@@ -261,8 +261,10 @@ def make_pipeline_step(
     """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.loop.StepOutput`."""
     from boost_compile.distributed.pipeline import pipeline_step
     from boost_compile.train.loop import StepOutput, clip_grad_norm
+    from boost_compile.train.optim import state_bytes
 
     params = list(parts.model.parameters())
+    first = [True]
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         with autocast():
@@ -270,11 +272,13 @@ def make_pipeline_step(
         average_over_dp(params, dev)
         grad_norm = clip_grad_norm(parts.model, grad_clip, dev) if grad_clip > 0 else None
         optimizer.step()
+        state = state_bytes(parts.model, optimizer) if first[0] else None
+        first[0] = False
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         value = loss.float() if loss is not None else torch.zeros((), device=dev.device)
         value = dev.sum_over_pp(dev.mean_over_dp(value))
-        return StepOutput(loss=float(value), lr=lr, grad_norm=grad_norm)
+        return StepOutput(loss=float(value), lr=lr, grad_norm=grad_norm, state=state)
 
     return step
