@@ -46,8 +46,21 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
     virtual = sc.get("virtual", 1)
     num_stages = pp * virtual
     indices = list(range(pp_rank, num_stages, pp))
-    torch.manual_seed(0)
-    ref = Llama(LlamaConfig.preset(sc["preset"], n_kv_heads=4, n_layers=4))
+    if sc["preset"] == "hf":  # a Hugging Face LlamaForCausalLM (2 blocks, GQA)
+        from conftest import tiny_hf_llama
+
+        ref = tiny_hf_llama()
+        dim = ref.config.hidden_size
+
+        def ref_loss(t: torch.Tensor) -> torch.Tensor:
+            return loss_fn(ref(input_ids=t).logits, t)
+    else:
+        torch.manual_seed(0)
+        ref = Llama(LlamaConfig.preset(sc["preset"], n_kv_heads=4, n_layers=4))
+        dim = ref.config.dim
+
+        def ref_loss(t: torch.Tensor) -> torch.Tensor:
+            return ref(t, t)
     stages = [split_model(ref, i, num_stages) for i in indices]
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     local = tokens.chunk(pair.size())[pair.get_local_rank()] if mode == "dp" else tokens
@@ -55,7 +68,7 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"loss": [], "grad": []}
     if mode == "tp":
         for i, stage in zip(indices, stages, strict=True):
-            example = local[:mb] if i == 0 else torch.randn(mb, SEQ, ref.config.dim)
+            example = local[:mb] if i == 0 else torch.randn(mb, SEQ, dim)
             bc.parallelize_(stage, (example,), pair, plan=sc["plan"], stream_io=True)
             try:  # run eagerly, a TP stage must refuse (its collectives exist only in the compiled graph)
                 stage(example)
@@ -77,7 +90,7 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
         opt_ref.zero_grad(set_to_none=True)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        loss_ref = ref(tokens, tokens)
+        loss_ref = ref_loss(tokens)
         loss_ref.backward()
         loss = pipeline_step(schedule, local, local)
         if mode == "dp":

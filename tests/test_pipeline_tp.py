@@ -1,7 +1,8 @@
 """Pipelines on four gloo processes (a 2 x 2 mesh), every stage compiled with backend="boost",
 against one process running the whole model:
 
-* PP x TP: each pipeline stage parallelized over its TP pair. Under btp the activation between
+* PP x TP: each pipeline stage parallelized over its TP pair (the reference model, and a
+  Hugging Face LlamaForCausalLM under megatron). Under btp the activation between
   stages is this rank's d-slice of the residual stream ([mb, s, d/2]: the point-to-point bytes
   halve); under megatron it is whole.
 * PP x DP: each pair of ranks holding the same stages splits the batch; the stage gradients are
@@ -25,6 +26,7 @@ SCENARIOS = [
     {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b"},
     {"name": "btp-interleaved", "preset": "tiny", "plan": "btp", "schedule": "interleaved_1f1b", "virtual": 2},
     {"name": "megatron", "preset": "tiny-dense", "plan": "megatron", "schedule": "1f1b"},
+    {"name": "hf-megatron", "preset": "hf", "plan": "megatron", "schedule": "1f1b"},
     {"name": "dp", "preset": "tiny", "mode": "dp", "schedule": "1f1b"},
     {"name": "dp-interleaved", "preset": "tiny", "mode": "dp", "schedule": "interleaved_1f1b", "virtual": 2},
 ]
