@@ -265,3 +265,28 @@ def test_source_names_to_fqn():
     assert source_to_fqn("L['self']._modules['layers']._modules['0']._parameters['weight']") == "layers.0.weight"
     assert source_to_fqn("L['args'][0]._modules['model']._modules['norm']._parameters['weight']") == "model.norm.weight"
     assert source_to_fqn("L['self']._parameters['W']") == "W"
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+def test_capture_leaves_no_compiled_entry_on_the_class_forward():
+    """A capture for analysis must not occupy Dynamo's cache of the class's forward, which every
+    instance shares (pipeline stages of one class count against one recompile limit)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    model = _Shared()
+    views = capture_views(model, torch.randn(2, 8))
+    assert len(views) == 1 and "forward" not in vars(model)
+    assert _debug_get_cache_entry_list(_Shared.forward.__code__) == []
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(2, 8))
+    assert len(_debug_get_cache_entry_list(_Shared.forward.__code__)) == 1  # the real compile does cache
+    torch._dynamo.reset()

@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from boost_compile.analysis import GraphView, capture_views
+from boost_compile.analysis import GraphView, capture_views, private_forward
 from boost_compile.distributed.collectives import local_size, tp_full_view, tp_sentinel
 
 log = logging.getLogger("boost_compile")
@@ -488,7 +488,8 @@ def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
         raise _Checked
 
     try:
-        torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
+        with private_forward(model):
+            torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
     except BackendCompilerFailed as exc:
         if isinstance(exc.inner_exception, ParallelizeError):
             raise exc.inner_exception from None

@@ -213,6 +213,12 @@ def build_pipeline_parts(
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)
+    # the local stages share their class's forward, whose compiled entries (training and evaluation
+    # graphs of each stage) count against one Dynamo recompile limit
+    needed = 2 * len(stages) + 2
+    if torch._dynamo.config.recompile_limit < needed:
+        log.info("raising Dynamo's recompile_limit to %d for %d stages of one class", needed, len(stages))
+        torch._dynamo.config.recompile_limit = needed
     compiled = [compile_model(stage, tc, dynamic=False) for stage in stages]
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     try:
