@@ -268,6 +268,13 @@ class _Localizer:
             elif self.place[x] != Sharded(last):
                 self._refuse(node, f"the stage returns a stream sharded as {self.place[x]}, not on its last dim", "")
             return None  # the local slice itself: what the next stage receives
+        if _is_op(node, "tp_vocab_out"):  # a last stage's logits: this rank's vocabulary slice, not gathered
+            x = node.args[0]
+            if x not in self.vocab or self.place.get(x) != Sharded(len(self.full[x]) - 1):
+                self._refuse(node, "the stage returns logits marked as vocabulary-sharded (shard_logits) that are not "
+                             "the vocabulary-parallel head's output, sharded on their last dim",
+                             "use shard_logits only on a stage whose last op is the untied output head")
+            return None
         if _is_full_view(node):
             spec = self.specs.get(node.args[0])
             if spec is None:
@@ -902,7 +909,7 @@ class _Localizer:
 
     def _remove_full_views(self) -> None:
         for node in list(self.graph.nodes):
-            if _is_full_view(node) or _is_op(node, "tp_stream_in") or _is_op(node, "tp_stream_out"):
+            if _is_full_view(node) or any(_is_op(node, m) for m in ("tp_stream_in", "tp_stream_out", "tp_vocab_out")):
                 node.replace_all_uses_with(node.args[0])
                 self.graph.erase_node(node)
 

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
-from boost_compile.distributed.pipeline import build_schedule, pipeline_step, split_model
+from boost_compile.distributed.pipeline import (
+    PipelineError,
+    build_schedule,
+    pipeline_step,
+    split_model,
+    vocab_parallel_loss,
+)
 from boost_compile.models import Llama, LlamaConfig
 
 SEQ, BATCH, MICRO = 16, 4, 2
@@ -69,7 +75,8 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
     if mode == "tp":
         for i, stage in zip(indices, stages, strict=True):
             example = local[:mb] if i == 0 else torch.randn(mb, SEQ, dim)
-            bc.parallelize_(stage, (example,), pair, plan=sc["plan"], stream_io=True)
+            shard_logits = sc.get("shard_logits", False) and i == num_stages - 1
+            bc.parallelize_(stage, (example,), pair, plan=sc["plan"], stream_io=True, shard_logits=shard_logits)
             try:  # run eagerly, a TP stage must refuse (its collectives exist only in the compiled graph)
                 stage(example)
                 out.setdefault("eager_refused", []).append(False)
@@ -81,11 +88,21 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
     # second stage's shapes symbolic (automatic dynamic shapes on a recompile of the same code)
     backend = functools.partial(compile_graph, config=config, recorder=rec)
     compiled = [torch.compile(s, backend=backend, dynamic=False) for s in stages]
-    schedule = build_schedule(compiled, indices, num_stages, mesh["pp"].get_group(), MICRO, sc["schedule"], loss_fn,
+    last = num_stages - 1 in indices
+    loss = loss_fn
+    if sc.get("shard_logits"):
+        try:  # a plain loss on the vocabulary slice is refused
+            build_schedule(compiled, indices, num_stages, mesh["pp"].get_group(), MICRO, sc["schedule"], loss_fn,
+                           example_microbatch=local[:mb])
+            out["plain_loss_refused"] = False
+        except PipelineError as exc:
+            out["plain_loss_refused"] = "vocab_parallel_loss(stage)" in str(exc)
+        if last:
+            loss = vocab_parallel_loss(compiled[indices.index(num_stages - 1)])
+    schedule = build_schedule(compiled, indices, num_stages, mesh["pp"].get_group(), MICRO, sc["schedule"], loss,
                               example_microbatch=local[:mb])
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opts = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]
-    last = num_stages - 1 in indices
     for _ in range(sc.get("steps", 5)):
         opt_ref.zero_grad(set_to_none=True)
         for opt in opts:

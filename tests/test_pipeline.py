@@ -210,6 +210,13 @@ def test_schedule_refusals(tmp_path):
         compiled = [torch.compile(s, backend="boost") for s in two]
         with pytest.raises(PipelineError, match="compiled stage"):
             build_schedule(compiled, [0, 1], 2, group, 2, "zero_bubble", None, tokens)
+        from boost_compile.distributed.parallelize import VocabShard
+        from boost_compile.distributed.pipeline import VocabParallelLoss, vocab_parallel_loss
+
+        with pytest.raises(PipelineError, match="returns whole logits: vocab_parallel_loss is for a last stage"):
+            build_schedule(one, [0], 1, group, 2, "gpipe", VocabParallelLoss(VocabShard("0", 1, 0, 256)), tokens[:1])
+        with pytest.raises(PipelineError, match="parallelize it with parallelize_"):
+            vocab_parallel_loss(one[0])
         schedule = build_schedule(one, [0], 1, group, 2, "gpipe", None, tokens[:1])
         from boost_compile.distributed.pipeline import pipeline_step
 

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 RTOL = 1e-5
 SCENARIOS = [
     {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b"},
+    {"name": "btp-shard-logits", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "shard_logits": True},
     {"name": "btp-interleaved", "preset": "tiny", "plan": "btp", "schedule": "interleaved_1f1b", "virtual": 2},
     {"name": "megatron", "preset": "tiny-dense", "plan": "megatron", "schedule": "1f1b"},
     {"name": "hf-megatron", "preset": "hf", "plan": "megatron", "schedule": "1f1b"},
@@ -77,6 +78,12 @@ def test_btp_sends_the_stream_sliced(results):
     for r in inter[:2]:
         assert not [c for c in r["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
     assert all(r["stream_shards"] == [1] for r in (r["megatron"] for r in results))
+    # shard_logits: the last stage returns its [2, 16, 128] vocabulary slice, gathered nowhere (the
+    # schedule's vocab_parallel_loss all-reduces [N] and [N, 2] outside the graph); a plain loss is refused
+    sliced = [r["btp-shard-logits"] for r in results]
+    gathers = [c["shape"] for c in sliced[2]["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
+    assert gathers == [[2, 16, 32]]
+    assert [r["plain_loss_refused"] for r in sliced] == [False, False, True, True]
     assert all(r["stream_shards"] == [1] and not r["collectives"]["forward"] for r in (r["dp"] for r in results))
 
 

@@ -305,6 +305,23 @@ def _(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
     return x.new_empty(shape)
 
 
+@torch.library.custom_op("boost::tp_vocab_out", mutates_args=())
+def tp_vocab_out(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    """What a pipeline's last stage returns with ``shard_logits``: this rank's vocabulary slice of the logits."""
+    raise RuntimeError(
+        f"this pipeline stage was parallelized with plan {plan!r} and shard_logits: it returns this rank's "
+        "vocabulary slice of the logits, which only the boost backend's program computes. "
+        "Run it as torch.compile(stage, backend='boost')."
+    )
+
+
+@tp_vocab_out.register_fake
+def _(x: torch.Tensor, world: int, plan: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[-1] = local_size(shape[-1], world)
+    return x.new_empty(shape)
+
+
 def _stream_marker_backward(ctx, grad: torch.Tensor):
     # never runs: tp_localize removes both markers before autograd sees the graph
     raise RuntimeError("a pipeline stream marker reached autograd: compile the stage with backend='boost'")
@@ -316,4 +333,5 @@ def _no_setup(ctx, inputs, output) -> None:
 
 tp_stream_in.register_autograd(_stream_marker_backward, setup_context=_no_setup)
 tp_stream_out.register_autograd(_stream_marker_backward, setup_context=_no_setup)
+tp_vocab_out.register_autograd(_stream_marker_backward, setup_context=_no_setup)
 

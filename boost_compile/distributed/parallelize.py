@@ -328,6 +328,7 @@ def parallelize_(
     plan: str = "auto",
     vocab_parallel: bool | None = None,
     stream_io: bool = False,
+    shard_logits: bool = False,
 ) -> TPReport:
     """Shard ``model`` in place for tensor parallelism over ``tp`` (a DeviceMesh or ProcessGroup).
 
@@ -343,6 +344,12 @@ def parallelize_(
     residual stream as its input and a stage without the head returns its
     d-slice, so the activation sent between stages is [mb, s, d/p]. Pass the whole
     stream as ``example_inputs``; the stage then reads ``_boost_stream_shards = p``.
+
+    ``shard_logits``: ``model`` is a pipeline's last stage (btp or megatron, a
+    vocabulary-parallel head) and returns this rank's vocabulary slice of the
+    logits, [mb, s, ceil(V/p)], instead of gathering them: the schedule's loss
+    must then be ``boost_compile.distributed.pipeline.vocab_parallel_loss(stage)``
+    (``build_schedule`` refuses any other). The stage reads ``_boost_vocab_shard``.
     """
     if not dist.is_initialized():
         raise ParallelizeError("torch.distributed is not initialised (call init_process_group first)")
@@ -367,7 +374,11 @@ def parallelize_(
     if plan == "megatron" and roles.chains:
         raise ParallelizeError("plan megatron is for dense blocks; this model has bottlenecks (use btp or vanilla)")
     if plan == "vanilla":
+        if shard_logits:
+            raise ParallelizeError("shard_logits is for btp and megatron stages; plan vanilla returns DTensor logits")
         return _vanilla(model, roles, tp, group, world, bool(vocab_parallel))
+    if shard_logits and vocab_parallel is False:
+        raise ParallelizeError("shard_logits=True returns the vocabulary-parallel head's slice: it needs vocab_parallel")
     vocab_parallel = True if vocab_parallel is None else vocab_parallel
 
     def spec(role: str, dim: int | None, weight: str | None = None, size: int | None = None, head: bool = False) -> ShardSpec:
@@ -427,6 +438,8 @@ def parallelize_(
     report = TPReport(plan, world, specs)
     if stream_io and plan == "btp":
         example_inputs = _shard_stream_io(model, roles, example_inputs, world, rank, plan)
+    if shard_logits:
+        _shard_logits(model, roles, specs, params, world, plan)
     report.check = check_local_program(model, example_inputs)
     log.info("%s; %s", report, report.check.line())
     return report
@@ -460,6 +473,43 @@ def _shard_stream_io(model: nn.Module, roles: _Roles, example_inputs: Sequence[A
         example_inputs = (shard_tensor(example_inputs[0], example_inputs[0].dim() - 1, world, rank), *example_inputs[1:])
     model._boost_stream_shards = world
     return tuple(example_inputs)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """A stage's logits as this rank returns them (``shard_logits``): columns
+    ``[rank * local, (rank + 1) * local)`` of ``vocab``, ``local = ceil(vocab / world)``."""
+
+    group_name: str
+    world: int
+    rank: int
+    vocab: int
+
+
+def _shard_logits(model: nn.Module, roles: _Roles, specs: dict[str, ShardSpec], params: dict[str, Any],
+                  world: int, plan: str) -> None:
+    """A pipeline's last stage returns its vocabulary slice of the logits (see ``parallelize_``)."""
+    from boost_compile.distributed.collectives import tp_vocab_out
+
+    if not hasattr(model, "set_logits_marker"):
+        raise ParallelizeError(
+            f"shard_logits=True needs a pipeline stage that marks its logits (set_logits_marker), such as "
+            f"boost_compile.distributed.pipeline.split_model's last stage; got {type(model).__name__}"
+        )
+    heads = [w for w, _layout, _bias in roles.heads if w in specs and specs[w].head]
+    if len(heads) != 1:
+        raise ParallelizeError(
+            "shard_logits=True needs one untied output head cut on the vocabulary (vocab_parallel); "
+            f"this stage has {len(roles.heads)} head(s), {len(heads)} of them vocabulary-parallel"
+        )
+    spec = specs[heads[0]]
+    vocab = spec.size if spec.size is not None else params[heads[0]].shape[spec.dim] * world
+
+    def logits_out(x: torch.Tensor) -> torch.Tensor:
+        return tp_vocab_out(x, world, plan) if torch.compiler.is_compiling() else x
+
+    model.set_logits_marker(logits_out)
+    model._boost_vocab_shard = VocabShard(spec.group_name, world, spec.rank, vocab)
 
 
 class _Checked(Exception):

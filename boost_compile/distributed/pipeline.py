@@ -208,12 +208,20 @@ class _StreamMarkers:
     _stream_in: Callable[[Tensor], Tensor] | None = None
     _stream_out: Callable[[Tensor], Tensor] | None = None
     _input_guard: Callable[[Tensor], Tensor] | None = None
+    _logits_out: Callable[[Tensor], Tensor] | None = None
 
     def set_stream_markers(self, stream_in: Callable[[Tensor], Tensor] | None, stream_out: Callable[[Tensor], Tensor] | None) -> None:
         self._stream_in, self._stream_out = stream_in, stream_out
 
     def set_input_guard(self, guard: Callable[[Tensor], Tensor] | None) -> None:
         self._input_guard = guard
+
+    def set_logits_marker(self, marker: Callable[[Tensor], Tensor] | None) -> None:
+        """``parallelize_(..., shard_logits=True)``: the last stage returns its vocabulary slice."""
+        self._logits_out = marker
+
+    def _logits(self, logits: Tensor) -> Tensor:
+        return self._logits_out(logits) if self._logits_out is not None else logits
 
     def _enter(self, x: Tensor) -> Tensor:
         if self._input_guard is not None:
@@ -253,7 +261,7 @@ class LlamaStage(_StreamMarkers, nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if hasattr(self, "output"):
-            return self.output(self.norm(h))
+            return self._logits(self.output(self.norm(h)))
         return self._leave(h)
 
 
@@ -307,7 +315,7 @@ class HFLlamaStage(_StreamMarkers, nn.Module):
             out = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
             h = out[0] if isinstance(out, tuple) else out
         if hasattr(self, "lm_head"):
-            return self.lm_head(self.model.norm(h))
+            return self._logits(self.lm_head(self.model.norm(h)))
         return self._leave(h)
 
 
@@ -390,11 +398,61 @@ def _example_io(stage: LlamaStage | HFLlamaStage, example: Tensor) -> tuple[Tens
     width = stage.hidden_size // getattr(stage, "_boost_stream_shards", 1)
     hidden = torch.empty(mb, seq, width, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
     inp = torch.empty(mb, seq, dtype=example.dtype, device="meta") if first else hidden
-    if last:  # the logits, whole (a vocabulary-parallel head's are gathered for the loss)
-        out = torch.empty(mb, seq, stage.vocab_size, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
+    if last:  # the logits: whole, or this rank's vocabulary slice (parallelize_(..., shard_logits=True))
+        shard = getattr(stage, "_boost_vocab_shard", None)
+        vocab = stage.vocab_size if shard is None else -(-shard.vocab // shard.world)
+        out = torch.empty(mb, seq, vocab, dtype=stage.hidden_dtype, device="meta", requires_grad=True)
     else:
         out = hidden
     return inp, out
+
+
+class VocabParallelLoss:
+    """The schedule's ``loss_fn`` for a last stage that returns its vocabulary slice of the logits
+    (``parallelize_(stage, ..., shard_logits=True)``).
+
+    ``loss(logits, targets)`` is ``F.cross_entropy(logits.flatten(0, 1).float(),
+    targets.flatten())`` over the whole vocabulary, the micro-batch mean, computed
+    from this rank's [mb, s, ceil(V/p)] slice with two all-reduces over the stage's
+    TP group (a max of [N], a sum of [N, 2]) and none in backward: the [mb, s, V]
+    logits are never gathered. Make it with :func:`vocab_parallel_loss`.
+    """
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        from boost_compile.distributed.collectives import vocab_parallel_cross_entropy
+
+        s = self.shard
+        return vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                            s.group_name, s.world, s.rank, s.vocab)
+
+
+def vocab_parallel_loss(stage: nn.Module) -> VocabParallelLoss:
+    """The loss of a last stage parallelized with ``shard_logits=True`` (see :class:`VocabParallelLoss`)."""
+    shard = getattr(stage_module(stage), "_boost_vocab_shard", None)
+    if shard is None:
+        raise PipelineError(
+            "vocab_parallel_loss is for a last stage that returns its vocabulary slice of the logits: "
+            "parallelize it with parallelize_(stage, ..., stream_io=True, shard_logits=True)"
+        )
+    return VocabParallelLoss(shard)
+
+
+def _check_loss(stage: LlamaStage | HFLlamaStage, loss_fn: Any) -> None:
+    """A sharded-logits last stage needs the vocabulary-parallel loss, and only it does."""
+    sharded = getattr(stage, "_boost_vocab_shard", None) is not None
+    if sharded and not isinstance(loss_fn, VocabParallelLoss):
+        raise PipelineError(
+            f"stage {stage.stage_index} returns this rank's vocabulary slice of the logits (shard_logits=True): "
+            "a plain loss would see a fraction of the vocabulary; pass loss_fn=vocab_parallel_loss(stage)"
+        )
+    if not sharded and isinstance(loss_fn, VocabParallelLoss):
+        raise PipelineError(
+            f"stage {stage.stage_index} returns whole logits: vocab_parallel_loss is for a last stage "
+            "parallelized with shard_logits=True; pass a plain loss_fn"
+        )
 
 
 def build_schedule(
@@ -421,7 +479,9 @@ def build_schedule(
     use micro-batches of that shape). ``batch_size``, when given, is checked to be
     ``n_microbatches`` such micro-batches. The loss ``loss_fn(logits, targets)`` is
     a micro-batch mean; gradients are divided by ``n_microbatches`` (PyTorch's
-    ``scale_grads``), so they are those of the mean over the batch.
+    ``scale_grads``), so they are those of the mean over the batch. A last stage
+    parallelized with ``shard_logits=True`` returns its vocabulary slice of the
+    logits and takes ``loss_fn=vocab_parallel_loss(stage)`` (any other is refused).
     """
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -467,6 +527,9 @@ def build_schedule(
             raise PipelineError(
                 f"stage {index} belongs on rank {index % pp} (stage i lives on rank i % {pp}), not on rank {rank}"
             )
+    for module, index in zip(modules, indices, strict=True):
+        if index == num_stages - 1:
+            _check_loss(stage_module(module), loss_fn)
     if schedule == "zero_bubble" and any(_is_compiled(m) for m in modules):
         raise PipelineError(
             "the zero_bubble schedule splits each backward into input and weight gradients, which a "

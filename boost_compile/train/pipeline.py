@@ -114,8 +114,9 @@ class PipelineForward(nn.Module):
     """
 
     def __init__(self, stages: Sequence[nn.Module], indices: Sequence[int], num_stages: int, dev: Dist,
-                 micro_batch: int) -> None:
+                 micro_batch: int, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = loss_fn) -> None:
         super().__init__()
+        self.loss = loss
         self.stages = nn.ModuleList(stages)
         self.indices = list(indices)
         self.num_stages = num_stages
@@ -143,7 +144,7 @@ class PipelineForward(nn.Module):
                     dist.recv(x, src=_send_recv_peer(dev, (i - 1) % pp), group=group)
                 h = stage(x)
                 if i == self.num_stages - 1:
-                    losses.append(loss_fn(h, y_mb))
+                    losses.append(self.loss(h, y_mb))
                 else:
                     dist.send(h.contiguous(), dst=_send_recv_peer(dev, (i + 1) % pp), group=group)
         if not losses:
@@ -166,7 +167,8 @@ class PipelineParts:
 
 def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: TrainConfig, dev: Dist,
                         micro_batch: int) -> None:
-    """Shard each stage over the tp group; btp stages take and return their d-slice of the stream."""
+    """Shard each stage over the tp group; btp stages take and return their d-slice of the stream, and
+    the last stage returns its vocabulary slice of the logits (the loss is ``vocab_parallel_loss``)."""
     import boost_compile
 
     seq = tc.trainer.seq
@@ -175,7 +177,9 @@ def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc:
             example = torch.zeros(micro_batch, seq, dtype=torch.long, device=dev.device)
         else:  # the whole stream; parallelize_ slices it for a btp stage
             example = torch.zeros(micro_batch, seq, stage.hidden_size, dtype=stage.hidden_dtype, device=dev.device)
-        report = boost_compile.parallelize_(stage, (example,), dev.mesh["tp"], plan=tc.parallel.plan, stream_io=True)
+        last = i == stage.num_stages - 1  # returns its vocabulary slice of the logits: the loss is vocabulary-parallel
+        report = boost_compile.parallelize_(stage, (example,), dev.mesh["tp"], plan=tc.parallel.plan, stream_io=True,
+                                            shard_logits=last)
         log.info("stage %d: %s", i, report)
 
 
@@ -188,7 +192,12 @@ def build_pipeline_parts(
 ) -> PipelineParts:
     """Build the model, keep this rank's stages, shard them over tp, cast, bind (``before_compile``),
     compile, schedule."""
-    from boost_compile.distributed.pipeline import PipelineError, build_schedule, split_model
+    from boost_compile.distributed.pipeline import (
+        PipelineError,
+        build_schedule,
+        split_model,
+        vocab_parallel_loss,
+    )
 
     par, tr = tc.parallel, tc.trainer
     whole = build_model(tc, shape, dev.device)
@@ -221,8 +230,11 @@ def build_pipeline_parts(
         torch._dynamo.config.recompile_limit = needed
     compiled = [compile_model(stage, tc, dynamic=False) for stage in stages]
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
+    loss = loss_fn
+    if dev.tp > 1 and num_stages - 1 in indices:
+        loss = vocab_parallel_loss(compiled[indices.index(num_stages - 1)])
     try:
-        schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss_fn,
+        schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss,
                                   example, batch_size=local_batch, device=dev.device)
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp_schedule={par.pp_schedule}: {exc}") from exc
@@ -234,7 +246,7 @@ def build_pipeline_parts(
     evaluated = compiled if dev.tp > 1 else stages
     return PipelineParts(
         model=holder, stages=stages, indices=indices, num_stages=num_stages, schedule=schedule,
-        eval_fn=PipelineForward(evaluated, indices, num_stages, dev, micro_batch), total_params=total,
+        eval_fn=PipelineForward(evaluated, indices, num_stages, dev, micro_batch, loss), total_params=total,
     )
 
 
