@@ -36,14 +36,18 @@ class Explanation:
 
     config: BoostConfig
     graphs: list[GraphRecord]
+    pipeline: dict[str, Any] | None = None  # a pipeline stage's point-to-point traffic (pipeline_io)
 
     # -- data -----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "config": self.config.to_dict(),
             "graphs": [self._graph_dict(g) for g in self.graphs],
         }
+        if self.pipeline is not None:
+            out["pipeline"] = self.pipeline
+        return out
 
     def _graph_dict(self, g: GraphRecord) -> dict[str, Any]:
         view = g.view
@@ -81,9 +85,20 @@ class Explanation:
 
     def markdown(self) -> str:
         lines = ["# boost_compile explain", "", f"inner compiler: `{self.config.inner}`, strict: {self.config.strict}", ""]
+        if self.pipeline is not None:
+            lines += self._pipeline_markdown(self.pipeline)
         for g in self.graphs:
             lines += self._graph_markdown(g)
         return "\n".join(lines)
+
+    @staticmethod
+    def _pipeline_markdown(p: dict[str, Any]) -> list[str]:
+        lines = [f"## Pipeline stage {p['stage']} of {p['stages']} (blocks {p['blocks']})", "",
+                 "Per micro-batch, forward (the activation) and again backward (its gradient):", "",
+                 "| tensor | shape | dtype | bytes | of the whole |", "|---|---|---|---:|---:|"]
+        for t in p["tensors"]:
+            lines.append(f"| {t['what']} | {t['shape']} | {t['dtype']} | {t['bytes']:,} | {t['fraction']:.3g} |")
+        return lines + ["", f"- point-to-point bytes per micro-batch, forward + backward: {p['p2p_bytes']:,}", ""]
 
     def _graph_markdown(self, g: GraphRecord) -> list[str]:
         lines = [f"## Graph {g.index}", ""]
@@ -275,7 +290,37 @@ def explain(
                 loss.backward()
     for p, g in zip(params, saved_grads, strict=True):
         p.grad = g
-    return Explanation(config, recorder.graphs)
+    return Explanation(config, recorder.graphs, pipeline_io(model, example_inputs, out))
+
+
+def pipeline_io(model: torch.nn.Module, example_inputs: Sequence[Any], out: Any) -> dict[str, Any] | None:
+    """What a pipeline stage (``boost_compile.distributed.pipeline``) receives and sends, from one
+    run: its input (unless it is the first stage) and output (unless it is the last) with their
+    bytes, against the whole stream's, and the logits it gives the loss. None for other models."""
+    from boost_compile.distributed.pipeline import PipelineError, stage_module
+
+    try:
+        stage = stage_module(model)
+    except PipelineError:
+        return None
+    first, last = stage.stage_index == 0, stage.stage_index == stage.num_stages - 1
+
+    def row(what: str, t: torch.Tensor, whole: int) -> dict[str, Any]:
+        nbytes = t.numel() * t.element_size()
+        return {"what": what, "shape": list(t.shape), "dtype": str(t.dtype), "bytes": nbytes,
+                "fraction": t.shape[-1] / whole}
+
+    tensors = []
+    if not first:
+        tensors.append(row("received: the stream", example_inputs[0], stage.hidden_size))
+    if not last:
+        tensors.append(row("sent: the stream", out, stage.hidden_size))
+    else:
+        tensors.append(row("to the loss: the logits", out, stage.vocab_size))
+    p2p = 2 * sum(t["bytes"] for t in tensors if not t["what"].startswith("to the loss"))
+    return {"stage": stage.stage_index, "stages": stage.num_stages,
+            "blocks": f"{stage.layer_range.start}-{stage.layer_range.stop - 1}", "tensors": tensors,
+            "p2p_bytes": p2p}
 
 
 def _scalar(out: Any) -> torch.Tensor | None:

@@ -82,6 +82,10 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
                 out.setdefault("eager_refused", []).append(False)
             except RuntimeError as exc:
                 out.setdefault("eager_refused", []).append("torch.compile(" in str(exc))
+    if sc.get("explain"):  # what explain reports of each stage's point-to-point traffic
+        for i, stage in zip(indices, stages, strict=True):
+            x = local[:mb] if i == 0 else torch.randn(mb, SEQ, dim // getattr(stage, "_boost_stream_shards", 1))
+            out.setdefault("explain", []).append(bc.explain(stage, x, options={"inner": "aot_eager"}).pipeline)
     rec = Recorder()
     config = BoostConfig.from_options({"inner": "aot_eager"})
     # dynamic=False: a rank's stages share LlamaStage.forward, and Dynamo would otherwise make the

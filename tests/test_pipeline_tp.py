@@ -23,10 +23,11 @@ import torch.multiprocessing as mp
 
 RTOL = 1e-5
 SCENARIOS = [
-    {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b"},
-    {"name": "btp-shard-logits", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "shard_logits": True},
+    {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "explain": True},
+    {"name": "btp-shard-logits", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "shard_logits": True,
+     "explain": True},
     {"name": "btp-interleaved", "preset": "tiny", "plan": "btp", "schedule": "interleaved_1f1b", "virtual": 2},
-    {"name": "megatron", "preset": "tiny-dense", "plan": "megatron", "schedule": "1f1b"},
+    {"name": "megatron", "preset": "tiny-dense", "plan": "megatron", "schedule": "1f1b", "explain": True},
     {"name": "hf-megatron", "preset": "hf", "plan": "megatron", "schedule": "1f1b"},
     {"name": "dp", "preset": "tiny", "mode": "dp", "schedule": "1f1b"},
     {"name": "dp-interleaved", "preset": "tiny", "mode": "dp", "schedule": "interleaved_1f1b", "virtual": 2},
@@ -88,3 +89,22 @@ def test_btp_sends_the_stream_sliced(results):
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+def test_explain_reports_the_point_to_point_bytes(results):
+    """explain on a stage: the stream a btp stage sends and receives is its d/2 slice, so its
+    point-to-point bytes are half a megatron stage's; a shard_logits stage gives the loss V/2."""
+    def tensors(name, rank):
+        (p,) = results[rank][name]["explain"]
+        return p, {t["what"]: t for t in p["tensors"]}
+
+    btp0, btp0_t = tensors("btp", 0)
+    meg0, meg0_t = tensors("megatron", 0)
+    assert btp0_t["sent: the stream"]["shape"] == [2, 16, 32] and btp0_t["sent: the stream"]["fraction"] == 0.5
+    assert meg0_t["sent: the stream"]["shape"] == [2, 16, 64] and meg0_t["sent: the stream"]["fraction"] == 1.0
+    assert 2 * btp0["p2p_bytes"] == meg0["p2p_bytes"] == 2 * 2 * 16 * 64 * 4
+    btp1, btp1_t = tensors("btp", 2)
+    assert btp1_t["received: the stream"]["shape"] == [2, 16, 32]
+    assert btp1_t["to the loss: the logits"]["shape"] == [2, 16, 256]  # gathered for a plain loss
+    _, sliced = tensors("btp-shard-logits", 2)
+    assert sliced["to the loss: the logits"]["shape"] == [2, 16, 128]
