@@ -238,7 +238,9 @@ def test_pipeline_one_micro_batch_runs_the_stages_in_turn():
     for system in scale.SYSTEMS:
         one = scale.predict(TOY, system, 2, 1, TOY_HW, wl)
         two = scale.predict(TOY, system, 2, 2, TOY_HW, wl)
-        p2p = 2 * 1 * (2 * 8 * 64 * 2) / 5e9  # one activation down, one gradient up: [16, 64] bf16
+        # one activation down, one gradient up: [16, 64] bf16, or at TP 2 btp's d-slice [16, 32]
+        width = 32 if system == "btp" else 64
+        p2p = 2 * 1 * (2 * 8 * width * 2) / 5e9
         assert two.p2p_s == pytest.approx(p2p)
         assert two.iteration_s - two.optimizer_s - p2p == pytest.approx(
             one.iteration_s - one.optimizer_s
@@ -250,7 +252,7 @@ def test_pipeline_1f1b_with_micro_batches():
     layer = scale.layer_cost("btp", TOY, 2, 8, 2, TOY_HW, wl)  # micro-batch of 2 sequences
     head = scale.head_cost("btp", TOY, 16, 2, TOY_HW, wl)
     stages = [2 * layer.total_s, 2 * layer.total_s + head.total_s]  # 4 layers over 2 stages
-    p2p = 2 * 1 * 16 * 64 * 2 / 5e9
+    p2p = 2 * 1 * 16 * 32 * 2 / 5e9  # btp at TP 2 sends [16, d/2]
     pred = scale.predict(TOY, "btp", 2, 2, TOY_HW, wl)
     # t = sum_i t_i + (m - 1) max_i t_i + 2 (pp - 1) t_p2p + t_opt
     assert pred.iteration_s == pytest.approx(sum(stages) + 1 * max(stages) + p2p + pred.optimizer_s)
@@ -515,3 +517,177 @@ def test_btp_moves_less_than_full_rank_and_vanilla():
 def test_workload_is_immutable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         Workload().seq = 1  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- pipeline boundary, data parallelism
+
+
+def test_btp_stages_send_their_d_slice():
+    # TOY: d 64; 16 tokens, bf16: full and vanilla stages send [T, d], btp its d/p slice
+    assert scale.p2p_bytes(16, TOY, 2, "full-rank", 2) == scale.p2p_bytes(16, TOY, 2, "vanilla", 2) == 16 * 64 * 2
+    assert scale.p2p_bytes(16, TOY, 2, "btp", 2) == 16 * 32 * 2
+    assert scale.p2p_bytes(16, TOY, 2, "btp", 4) == 16 * 16 * 2
+    assert scale.p2p_bytes(16, TOY, 2, "btp", 1) == 16 * 64 * 2
+    wl = Workload(seq=8, batch=4, micro_batches=2)
+    for system, width in (("full-rank", 64), ("vanilla", 64), ("btp", 32)):
+        pred = scale.predict(TOY, system, 2, 2, TOY_HW, wl)
+        # 2 micro-batches of 2 x 8 tokens, each an activation down and a gradient up, one boundary
+        assert pred.p2p_bytes == 2 * 2 * 16 * width * 2
+        assert pred.p2p_s == pytest.approx(2 * 16 * width * 2 / 5e9)
+    # a send/recv latency counts once per transfer on the critical path
+    slow = dataclasses.replace(TOY_HW, p2p_latency=1e-3)
+    assert scale.predict(TOY, "btp", 2, 2, slow, wl).p2p_s == pytest.approx(2 * (1e-3 + 16 * 32 * 2 / 5e9))
+
+
+def test_data_parallel_gradient_all_reduce_by_hand():
+    two = scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4), dp=2)
+    half = scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=2))
+    # btp at TP 1: 4 layers of 16 x (4 (64 + 64) + 3 (64 + 128)) factor weights and 2 x 64 norm gains,
+    # the embedding and lm_head 100 x 64, the final norm 64; fp32 gradients
+    grads = 4 * (4 * (16 * (4 * 128 + 3 * 192) + 128) + 2 * 100 * 64 + 64)
+    allreduce = 1e-5 + grads / 1e10  # one all-reduce over 2 ranks: 2 (p-1)/p = 1 payload
+    copies = 6 * grads / (1e11 * 0.5)  # flatten, scale, copy back
+    assert two.dp == 2 and two.dp_s == pytest.approx(allreduce + copies)
+    assert two.iteration_s == pytest.approx(half.iteration_s + allreduce + copies)
+    assert two.comm_s == pytest.approx(half.comm_s + allreduce)
+    assert two.comm_gb == pytest.approx(half.comm_gb + grads / 1e9)
+    assert two.collectives == half.collectives + 1
+    assert scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4)).dp_s == 0.0
+    with pytest.raises(ValueError, match="dp must divide"):
+        scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=3), dp=2)
+    # a pipeline per replica: its micro-batches cut the replica's batch
+    with pytest.raises(ValueError, match="micro_batches"):
+        scale.predict(TOY, "btp", 1, 2, TOY_HW, Workload(seq=8, batch=4, micro_batches=4), dp=2)
+
+
+def test_hardware_latency_zero_half_intensity_and_provenance():
+    raw = json.loads((importlib.resources.files("boost_compile") / "hardware" / "h200.json").read_text())
+    hw = scale.hardware_from_dict(raw)
+    assert hw.p2p_latency == 0.0 and hw.measured == {}
+    raw["p2p_latency"] = {"value": 3e-5, "source": "ping-pong"}
+    raw["gemm_half_intensity"]["value"] = 0
+    raw["measured"] = {"command": "boost-bench calibrate", "date": "today"}
+    hw = scale.hardware_from_dict(raw)
+    assert hw.p2p_latency == 3e-5 and hw.measured["command"] == "boost-bench calibrate"
+    # no half intensity: every whole-tile GEMM at the ceiling
+    assert scale.gemm_efficiency(64, 64, 64, hw, 4) == pytest.approx(hw.gemm_max_efficiency)
+    for key, value in (("p2p_latency", -1.0), ("peak_flops", 0.0)):
+        bad = json.loads(json.dumps(raw))
+        bad[key]["value"] = value
+        with pytest.raises(ValueError, match=key):
+            scale.hardware_from_dict(bad)
+
+
+def test_bundled_cpu_file_is_measured():
+    raw = json.loads((importlib.resources.files("boost_compile") / "hardware" / "cpu.json").read_text())
+    hw = scale.load_hardware("cpu")
+    assert hw.measured["command"].startswith("boost-bench calibrate") and hw.measured["quick"] == "false"
+    assert hw.measured["machine"] and hw.measured["date"]
+    for key in (*scale.HARDWARE_FIELDS, "p2p_latency"):
+        if key in ("gemm_tile", "attention_head_dim_multiple"):
+            assert raw[key]["measured"] is False and raw[key]["why"]
+        else:
+            assert raw[key]["measured"] is True and raw[key]["command"] == hw.measured["command"], key
+    assert hw.p2p_latency > 0
+    for key in ("gemm_max_efficiency", "attention_efficiency", "elementwise_efficiency"):
+        assert 0 < getattr(hw, key) <= 1
+
+
+# ----------------------------------------------------------------------------- the cpu comparison
+
+#: the benches' rows as scale-model configurations, written out by hand: (bench, row) -> (system, TP, PP, DP)
+MEASURED_ROWS = {
+    ("tp", "dense, megatron"): ("full-rank", 2, 1, 1),
+    ("tp", "CoLA, vanilla (DTensor)"): ("vanilla", 2, 1, 1),
+    ("tp", "CoLA, btp"): ("btp", 2, 1, 1),
+    ("tp", "dense, 1 process"): ("full-rank", 1, 1, 1),
+    ("tp", "CoLA, 1 process"): ("btp", 1, 1, 1),
+    ("pp", "1 process"): ("btp", 1, 1, 1),
+    ("pp", "TP2 btp"): ("btp", 2, 1, 1),
+    ("pp", "PP2"): ("btp", 1, 2, 1),
+    ("pp", "DP2"): ("btp", 1, 1, 2),
+}
+#: the 60m presets (d 512, 8 layers, 8 heads, d_ff 1376, r 128) at the benches' vocabulary of 256
+SIXTY_M = Shape("60m", d=512, d_ff=1376, layers=8, heads=8, vocab=256)
+
+
+def _measured_hardware(path):
+    """TOY_HW as a file that says it was measured: the comparison is then the default."""
+    raw = {k: {"value": getattr(TOY_HW, k), "source": "synthetic"} for k in scale.HARDWARE_FIELDS}
+    raw["p2p_latency"] = {"value": 2e-5, "source": "synthetic"}
+    raw.update(name="synthetic-cpu", measured={"command": "boost-bench calibrate", "date": "d", "machine": "m"})
+    path.write_text(json.dumps(raw))
+    return scale.load_hardware(str(path))
+
+
+def _save_runs(folder, hw, benches=("tp", "pp")):
+    """tp.json and pp.json at seq 128, batch 4, fp32, forward + backward only: every step 10% above the
+    model's, except PP2 (twice the model's); returns the steps."""
+    from boost_compile.bench.results import Result, save
+
+    wl = Workload(seq=128, batch=4, dtype_bytes=4, micro_batches=2, optimizer_bytes_per_param=0.0)
+    step = {}
+    for (bench, label), (system, t, p, d) in MEASURED_ROWS.items():
+        step[bench, label] = scale.predict(SIXTY_M, system, t, p, hw, wl, dp=d).iteration_s * (2.0 if label == "PP2" else 1.1)
+    params = {"size": "60m", "seq": 128, "batch": 4, "vocab": 256}
+    data = {
+        "tp": {"params": params, "vocab": 256,
+               "variants": {k: {"step_s": step["tp", k]} for k in ("dense, megatron", "CoLA, vanilla (DTensor)", "CoLA, btp")},
+               "single": {k: {"step_s": step["tp", k]} for k in ("dense, 1 process", "CoLA, 1 process")}},
+        "pp": {"params": {**params, "microbatches": 2}, "vocab": 256, "preset": "cola-60m",
+               "rows": {k: {"step_s": step["pp", k], "comm": {"bytes": 12345}} for k in ("1 process", "TP2 btp", "PP2", "DP2")},
+               "boundary": {"btp": {"preset": "cola-60m", "step_bytes": 111}, "megatron": {"preset": "llama-60m", "step_bytes": 222}}},
+    }
+    for bench in benches:
+        r = Result(bench, bench, "", data[bench])
+        r.command = f"boost-bench {bench} --seq 128"
+        save(r, str(folder), None)
+    return step
+
+
+def test_cpu_comparison_on_synthetic_runs(tmp_path):
+    from boost_compile.bench import cli
+    from boost_compile.bench.results import load
+
+    hw = _measured_hardware(tmp_path / "hw.json")
+    step = _save_runs(tmp_path / "runs", hw)
+    out = tmp_path / "out"
+    cli.main(["scale", "--hardware", str(tmp_path / "hw.json"), "--results", str(tmp_path / "runs"), "--out", str(out)])
+    assert load(str(out), "scale") is None and (out / "scale-cpu.png").exists()
+    r = load(str(out), "scale-cpu")
+    rows = {(x["bench"], x["label"]): x for x in r.data["rows"]}
+    assert list(rows) == list(MEASURED_ROWS)
+    for key, x in rows.items():
+        assert (x["system"], x["tp"], x["pp"], x["dp"]) == MEASURED_ROWS[key]
+        assert x["measured_s"] == step[key]
+        assert x["error"] == pytest.approx(-0.5 if key[1] == "PP2" else 1 / 1.1 - 1)
+        assert x["within"] == (key[1] != "PP2")
+    assert [t.met for t in r.targets] == [label != "PP2" for _, label in MEASURED_ROWS]
+    assert all(t.bound == 0.2 and not t.at_least for t in r.targets)
+    # the stage boundaries: pp's measured bytes beside the model's, per rank and step (2 micro-batches
+    # of 2 x 128 tokens, fp32, an activation and its gradient each): PP2 sends d, btp stages d/2
+    boundary = {x["boundary"].split(" (")[0]: x for x in r.data["boundary"]}
+    assert boundary["PP2"] == {"boundary": "PP2 (cola-60m)", "measured": 12345, "model": 2 * 2 * 256 * 512 * 4}
+    assert boundary["PP2 x TP2, btp stages"]["model"] == 2 * 2 * 256 * 256 * 4
+    assert boundary["PP2 x TP2, megatron stages"]["model"] == 2 * 2 * 256 * 512 * 4
+    assert boundary["PP2 x TP2, btp stages"]["measured"] == 111
+    md = r.markdown()
+    assert "8 of 9 within 20%" in md and "`boost-bench pp --seq 128`" in md
+    assert "| pp | PP2 | btp | 1 | 2 (m=2) | 1 |" in md and "none is fitted to a measured step time" in md
+
+
+def test_cpu_comparison_needs_runs_and_keeps_the_published_mode(tmp_path):
+    from boost_compile.bench import cli
+    from boost_compile.bench.results import load
+
+    hw = _measured_hardware(tmp_path / "hw.json")
+    argv = ["scale", "--hardware", str(tmp_path / "hw.json"), "--results", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit, match="no tp.json or pp.json"):
+        cli.main([*argv, "--out", str(tmp_path / "a")])
+    _save_runs(tmp_path / "runs", hw, benches=("tp",))
+    cli.main([*argv, "--out", str(tmp_path / "b")])
+    r = load(str(tmp_path / "b"), "scale-cpu")
+    assert {x["bench"] for x in r.data["rows"]} == {"tp"} and r.data["boundary"] == []
+    # --compare published: the BOOST.md tables, whatever the file
+    cli.main([*argv, "--compare", "published", "--out", str(tmp_path / "c")])
+    assert load(str(tmp_path / "c"), "scale").data["published"]

@@ -1,11 +1,15 @@
 """``boost-bench``: side-by-side benchmarks and the report that collects them.
 
-    boost-bench single | tp | memory | scale [options]   one benchmark: prints its table,
-                                                          writes <out>/<name>.json and .png
-    boost-bench tp-analytic                               the bytes-per-layer table only
-    boost-bench all [--out DIR] [--report FILE]           single, tp, memory and scale in turn,
-                                                          then the report
-    boost-bench report [--out DIR] [--report FILE]        rebuild the report from the JSON files
+    boost-bench single | tp | pp | memory | scale [options]   one benchmark: prints its table,
+                                                               writes <out>/<name>.json and .png
+    boost-bench scale --hardware cpu                           the scale model beside tp's and pp's
+                                                               steps: <out>/scale-cpu.json and .png
+    boost-bench tp-analytic                                    the bytes-per-layer table only
+    boost-bench calibrate [--out FILE] [--quick]               measure this CPU's constants: the
+                                                               cpu hardware file
+    boost-bench all [--out DIR] [--report FILE]                every benchmark of ALL in turn,
+                                                               then the report
+    boost-bench report [--out DIR] [--report FILE]             rebuild the report from the JSON files
 
 The report is the generated part of ``benchmarks/RESULTS.md``: each table with
 the exact command, commit, machine and date of its run.
@@ -19,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from boost_compile.bench import memory, report, scale, single, tp
+from boost_compile.bench import calibrate, memory, pp, report, scale, single, tp
 from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, save, stamp
 
@@ -27,11 +31,14 @@ from boost_compile.bench.results import Result, save, stamp
 BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Result], Any]] = {
     "single": ("one device: dense eager / dense Inductor / CoLA Inductor / CoLA boost", single.add_arguments, single.run, single.chart),
     "tp": ("TP=2 on CPU: dense megatron / CoLA vanilla (DTensor) / CoLA btp", tp.add_arguments, tp.run, tp.chart),
+    "pp": ("CoLA on two CPU processes: 1 process / TP2 btp / PP2 (1F1B) / DP2", pp.add_arguments, pp.run, pp.chart),
     "memory": ("activation checkpointing: none / lowrank / full / budget", memory.add_arguments, memory.run, memory.chart),
     "scale": ("analytic model of GPU clusters beside BOOST.md's published figures", scale.add_arguments, scale.run_result, scale.chart),
 }
-#: what ``all`` runs, in order (each with its defaults)
-ALL = ["scale", "single", "memory", "tp"]
+#: what ``all`` runs, in order, each with its defaults (``{out}``: the results folder); the last one
+#: puts the scale model beside the steps of tp and of pp (if ``<out>/pp.json`` exists: ``pp`` takes
+#: about 4 minutes at 60m and runs on its own) with the bundled cpu hardware file
+ALL = [["scale"], ["single"], ["memory"], ["tp"], ["scale", "--hardware", "cpu", "--results", "{out}"]]
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -50,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(p)
         _add_output(p)
     sub.add_parser("tp-analytic", help="only the analytic bytes-per-layer table")
-    p = sub.add_parser("all", help=f"run {', '.join(ALL)} with their defaults, then regenerate the report")
+    p = sub.add_parser("calibrate", help="measure this CPU's constants for the scale model: write the cpu hardware file")
+    calibrate.add_arguments(p)
+    p = sub.add_parser("all", help=f"run {', '.join(' '.join(a) for a in ALL)} in turn, then regenerate the report")
     _add_output(p)
     _add_report(p)
     p = sub.add_parser("report", help="regenerate the report from the saved JSON results")
@@ -91,13 +100,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "tp-analytic":
         print(analytic_table())
+    elif args.command == "calibrate":
+        start = time.perf_counter()
+        print(calibrate.summary(calibrate.run(args, argv)))
+        print(f"wrote {args.out} ({time.perf_counter() - start:.0f} s)")
     elif args.command in BENCHMARKS:
         run_one(args.command, _without_out(argv[1:]), args.out)
     elif args.command == "all":
         start = time.perf_counter()
-        for name in ALL:
-            print(f"== boost-bench {name}", flush=True)
-            run_one(name, [], args.out)
+        for name, *rest in ALL:
+            options = [a.format(out=args.out) for a in rest]
+            print(f"== boost-bench {' '.join([name, *options])}", flush=True)
+            run_one(name, options, args.out)
         print(f"all benchmarks took {time.perf_counter() - start:.0f} s")
         print(f"wrote {report.write(args.out, args.report)}")
     else:

@@ -62,14 +62,21 @@ Equations (per rank; T tokens of a micro-batch, e bytes per element):
                          final-norm gain d on the last stage
     pipeline (1F1B)      t_iter = sum_i t_i + (m - 1) max_i t_i + 2 (pp - 1) t_p2p + t_opt
                          t_i: forward + backward of one micro-batch on stage i (layers split
-                         evenly, the head on the last stage); t_p2p: one [T, d] activation
-                         or gradient at the point-to-point bandwidth
+                         evenly, the head on the last stage); t_p2p = alpha_p2p + one activation
+                         or gradient / p2p bandwidth: [T, d] for full and vanilla, [T, d/p] for
+                         btp (a btp stage sends its d-slice of the stream); per rank, the TP
+                         ranks of a stage sending over their own links at once
+    data parallelism     ``dp`` replicas, each on batch / dp; after the backward one ring
+                         all-reduce of the gradients (the largest stage's parameters at
+                         ``grad_bytes`` each) and ``grad_flatten_passes`` element passes over
+                         them (flatten into one buffer, scale by 1/dp, copy back)
 
 Communication is not overlapped with compute (TP collectives sit on the critical
 path). Not modelled: kernel-launch and framework overheads, activation
 recomputation, the vocab-parallel cross-entropy's [T] reductions, the embedding
 gather/scatter, the online-RMSNorm statistic ([T] fp32 riding on the [T, 3r] and
-[T, 2r] all-reduces, under 0.1% of the payload), data-parallel gradient reduction.
+[T, 2r] all-reduces, under 0.1% of the payload), overlap of the data-parallel
+gradient all-reduce with the backward.
 
 Pipeline: ``m`` = 1 micro-batch by default, i.e. the batch of 4 crosses the stages
 in turn and the 1F1B schedule runs the stages one after the other (bubble
@@ -101,6 +108,12 @@ times; gemm_half_intensity comes from BOOST.md's quoted GEMM utilisations.
 The H200 values are not calibrated against any measurement: they carry the A100
 choices over to the H200 peaks.
 
+The ``cpu`` file (``boost-bench calibrate``) holds constants measured on the
+project's machine by microbenchmarks (GEMMs and attention at the 60m shapes,
+elementwise bandwidth, gloo all-reduce and send/recv); with it, ``boost-bench
+scale --hardware cpu`` puts the model beside the steps ``boost-bench tp`` and
+``boost-bench pp`` measured (:mod:`boost_compile.bench.compare`).
+
 Against BOOST.md section 6 (A100 file): the btp speed-ups over full-rank and over
 vanilla of the 3B, 7B and 13B rows are within 15%, except 13B over vanilla (about
 +28%): the published vanilla time grows 1.48x from 7B TP4 to 13B TP4 PP2 while
@@ -127,8 +140,10 @@ SYSTEMS = ("full-rank", "vanilla", "btp")
 HEADS = ("vocab_parallel", "replicated")
 DEFAULT_HEAD = "vocab_parallel"
 DEFAULT_HARDWARE = "a100-80gb-nvlink"
-HARDWARE_FILES = ("a100-80gb-nvlink", "h200")
+HARDWARE_FILES = ("a100-80gb-nvlink", "h200", "cpu")
 TP_DEGREES = (1, 2, 4, 8)
+#: what ``boost-bench scale`` puts the model beside
+COMPARISONS = ("published", "measured")
 GB = 1e9
 #: the acceptance bound on the predicted speed-ups of the TP > 1 published rows
 TARGET_ERROR = 0.15
@@ -188,6 +203,10 @@ class Hardware:
     elementwise_efficiency: float
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict, compare=False)
+    #: alpha of one pipeline send/recv (0: not modelled, as in the GPU files)
+    p2p_latency: float = 0.0
+    #: a measured file's command, date and machine (empty for datasheet files)
+    measured: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 HARDWARE_FIELDS = (
@@ -204,6 +223,21 @@ HARDWARE_FIELDS = (
     "attention_head_dim_multiple",
     "elementwise_efficiency",
 )
+#: fields a hardware file may leave out (then 0)
+OPTIONAL_HARDWARE_FIELDS = ("p2p_latency",)
+#: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
+MAY_BE_ZERO = ("gemm_half_intensity",)
+
+
+def _hardware_value(data: dict, key: str) -> tuple[float, str]:
+    """One field's value and its note, checked: an object with a 'value' and a 'source' or 'why'."""
+    entry = data[key]
+    if not isinstance(entry, dict) or "value" not in entry:
+        raise ValueError(f"hardware field {key!r} must be an object with a 'value'")
+    note = entry.get("why") or entry.get("source")
+    if not note:
+        raise ValueError(f"hardware field {key!r} has no 'source' or 'why' note")
+    return float(entry["value"]), str(note)
 
 
 def hardware_from_dict(data: dict) -> Hardware:
@@ -214,23 +248,23 @@ def hardware_from_dict(data: dict) -> Hardware:
     values: dict[str, float] = {}
     notes: dict[str, str] = {}
     for key in HARDWARE_FIELDS:
-        entry = data[key]
-        if not isinstance(entry, dict) or "value" not in entry:
-            raise ValueError(f"hardware field {key!r} must be an object with a 'value'")
-        note = entry.get("why") or entry.get("source")
-        if not note:
-            raise ValueError(f"hardware field {key!r} has no 'source' or 'why' note")
-        values[key] = float(entry["value"])
-        notes[key] = str(note)
-        if values[key] <= 0:
+        values[key], notes[key] = _hardware_value(data, key)
+        if values[key] < 0 or (values[key] == 0 and key not in MAY_BE_ZERO):
             raise ValueError(f"hardware field {key!r} must be positive")
+    for key in OPTIONAL_HARDWARE_FIELDS:
+        if key in data:
+            values[key], notes[key] = _hardware_value(data, key)
+            if values[key] < 0:
+                raise ValueError(f"hardware field {key!r} must not be negative")
     for key in ("gemm_max_efficiency", "attention_efficiency", "elementwise_efficiency"):
         if values[key] > 1:
             raise ValueError(f"{key} is a fraction of peak and must not exceed 1")
+    measured = data.get("measured", {})
     return Hardware(
         name=str(data.get("name", "custom")),
         description=str(data.get("description", "")),
         notes=notes,
+        measured={str(k): str(v) for k, v in measured.items()} if isinstance(measured, dict) else {},
         **values,
     )
 
@@ -292,6 +326,9 @@ class Workload:
     attention_bwd_factor: float = 2.5
     optimizer_bytes_per_param: float = 28.0
     cross_entropy_bytes_per_logit: float = 28.0
+    #: data parallelism: bytes per gradient element in the all-reduce, element passes around it
+    grad_bytes: int = 4
+    grad_flatten_passes: float = 6.0
 
 
 @dataclass(frozen=True)
@@ -642,9 +679,35 @@ def stage_params(
     return params
 
 
-def p2p_time(tokens: int, shape: Shape, hw: Hardware, dtype_bytes: int = 2) -> float:
-    """One pipeline send/recv of a [tokens, d] activation (or its gradient)."""
-    return tokens * shape.d * dtype_bytes / hw.p2p_bandwidth
+def stream_width(system: str, shape: Shape, tp: int) -> int:
+    """Width of the stream one rank sends between pipeline stages: d, or its d/p slice under btp."""
+    _check_system(system)
+    return _split(shape.d, tp) if system == "btp" else shape.d
+
+
+def p2p_bytes(tokens: int, shape: Shape, dtype_bytes: int = 2, system: str = "full-rank", tp: int = 1) -> int:
+    """Bytes of one activation (or its gradient) one rank sends to the next stage."""
+    return tokens * stream_width(system, shape, tp) * dtype_bytes
+
+
+def p2p_time(
+    tokens: int, shape: Shape, hw: Hardware, dtype_bytes: int = 2, system: str = "full-rank", tp: int = 1
+) -> float:
+    """One pipeline send/recv of an activation (or its gradient): [tokens, d], or [tokens, d/p] under btp."""
+    return hw.p2p_latency + p2p_bytes(tokens, shape, dtype_bytes, system, tp) / hw.p2p_bandwidth
+
+
+def dp_cost(params: float, dp: int, hw: Hardware, wl: Workload) -> tuple[float, float, float]:
+    """Data parallelism's gradient reduction of ``params`` parameters over ``dp`` replicas.
+
+    Returns (all-reduce seconds, payload bytes, seconds of the element passes
+    that flatten the gradients into one buffer, scale and copy them back); zeros
+    without data parallelism.
+    """
+    if dp <= 1:
+        return 0.0, 0.0, 0.0
+    payload = params * wl.grad_bytes
+    return allreduce_time(1, payload, dp, hw), payload, elementwise_time(wl.grad_flatten_passes * payload, hw)
 
 
 @dataclass(frozen=True)
@@ -668,6 +731,11 @@ class Prediction:
     ring_gb_per_rank: float
     collectives: int
     tflops_per_gpu: float
+    dp: int = 1
+    #: of the times above: the data-parallel gradient all-reduce and its copies
+    dp_s: float = 0.0
+    #: bytes one rank sends to the next stage and receives back, per iteration
+    p2p_bytes: float = 0.0
 
 
 def predict(
@@ -679,31 +747,35 @@ def predict(
     wl: Workload | None = None,
     *,
     head: str = DEFAULT_HEAD,
+    dp: int = 1,
 ) -> Prediction:
-    """Iteration time and communication of ``system`` for ``shape`` on ``tp * pp`` GPUs.
+    """Iteration time and communication of ``system`` for ``shape`` on ``tp * pp * dp`` GPUs.
 
     ``head``: ``"vocab_parallel"`` (default) or ``"replicated"`` output head and
-    loss (see :func:`head_cost`).
+    loss (see :func:`head_cost`). ``dp`` data-parallel replicas each take
+    ``batch / dp`` sequences (cut into ``micro_batches`` when ``pp > 1``) and
+    all-reduce their gradients after the backward (:func:`dp_cost`).
 
-    ``iteration_s`` = gemm + attention + elementwise + comm (TP collectives and the
-    pipeline's send/recv) + optimizer, each summed along the schedule's critical
-    path. ``bubble_s`` (part of those) is the time the busiest stage waits.
-    ``comm_gb`` is the summed payload of every collective and send/recv of the
-    iteration; ``ring_gb_per_rank`` what one rank of each stage sends, summed over
-    the stages.
+    ``iteration_s`` = gemm + attention + elementwise + comm (TP collectives, the
+    pipeline's send/recv and the data-parallel all-reduce) + optimizer, each
+    summed along the schedule's critical path. ``bubble_s`` (part of those) is
+    the time the busiest stage waits. ``comm_gb`` is the summed payload of every
+    collective and send/recv of the iteration (of one replica); ``ring_gb_per_rank``
+    what one rank of each stage sends in the TP collectives, summed over the stages.
     """
     _check_system(system)
     _check_head(head)
     hw = hw or load_hardware()
     wl = wl or Workload()
-    if tp < 1 or pp < 1 or wl.micro_batches < 1 or wl.batch % wl.micro_batches:
-        raise ValueError(
-            "tp, pp and micro_batches must be >= 1, and micro_batches must divide batch"
-        )
+    if tp < 1 or pp < 1 or dp < 1 or wl.batch % dp:
+        raise ValueError("tp, pp and dp must be >= 1, and dp must divide batch")
+    replica_batch = wl.batch // dp
+    if wl.micro_batches < 1 or (pp > 1 and replica_batch % wl.micro_batches):
+        raise ValueError("micro_batches must be >= 1 and divide the batch of a replica (batch / dp)")
     if pp > shape.layers:
         raise ValueError(f"{shape.name} has {shape.layers} layers, fewer than {pp} stages")
     m = wl.micro_batches if pp > 1 else 1
-    mb = wl.batch // m
+    mb = replica_batch // m
     tokens = mb * wl.seq
     layer = layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
     stages = [layer.scaled(n) for n in stage_layers(shape.layers, pp)]
@@ -711,13 +783,13 @@ def predict(
     slowest = max(stages, key=lambda c: c.total_s)
     path = sum(stages[1:], stages[0]) + slowest.scaled(m - 1)
 
-    p2p_s = 2 * (pp - 1) * p2p_time(tokens, shape, hw, wl.dtype_bytes)
-    optimizer_s = elementwise_time(
-        wl.optimizer_bytes_per_param * max(stage_params(system, shape, tp, pp, head)), hw
-    )
-    iteration = path.total_s + p2p_s + optimizer_s
+    p2p_s = 2 * (pp - 1) * p2p_time(tokens, shape, hw, wl.dtype_bytes, system, tp)
+    sent = 2 * (pp - 1) * m * p2p_bytes(tokens, shape, wl.dtype_bytes, system, tp)
+    params = max(stage_params(system, shape, tp, pp, head))
+    optimizer_s = elementwise_time(wl.optimizer_bytes_per_param * params, hw)
+    dp_comm_s, dp_bytes, dp_copy_s = dp_cost(params, dp, hw, wl)
+    iteration = path.total_s + p2p_s + optimizer_s + dp_comm_s + dp_copy_s
     flops_per_gpu = sum(s.gemm_flops + s.attention_flops for s in stages) * m / pp
-    p2p_bytes = 2 * (pp - 1) * m * tokens * shape.d * wl.dtype_bytes
     return Prediction(
         system=system,
         model=shape.name,
@@ -727,15 +799,18 @@ def predict(
         iteration_s=iteration,
         gemm_s=path.gemm_s,
         attention_s=path.attention_s,
-        elementwise_s=path.elementwise_s,
-        comm_s=path.comm_s + p2p_s,
+        elementwise_s=path.elementwise_s + dp_copy_s,
+        comm_s=path.comm_s + p2p_s + dp_comm_s,
         p2p_s=p2p_s,
         optimizer_s=optimizer_s,
         bubble_s=path.total_s + p2p_s - m * slowest.total_s,
-        comm_gb=(sum(s.comm_bytes for s in stages) * m + p2p_bytes) / GB,
+        comm_gb=(sum(s.comm_bytes for s in stages) * m + sent + dp_bytes) / GB,
         ring_gb_per_rank=sum(s.ring_bytes for s in stages) * m / GB,
-        collectives=round(sum(s.collectives for s in stages) * m),
+        collectives=round(sum(s.collectives for s in stages) * m) + (1 if dp > 1 else 0),
         tflops_per_gpu=flops_per_gpu / iteration / 1e12,
+        dp=dp,
+        dp_s=dp_comm_s + dp_copy_s,
+        p2p_bytes=sent,
     )
 
 
@@ -973,6 +1048,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output head and loss of the every-shape grid: sharded on the vocabulary, or whole on "
         "every TP rank (the BOOST.md comparison always uses vocab_parallel; the head table shows both)",
     )
+    parser.add_argument(
+        "--compare",
+        choices=COMPARISONS,
+        default=None,
+        help="published: BOOST.md's A100 rows and the GPU grid; measured: the steps boost-bench tp and pp "
+        "saved in --results (default: measured for a hardware file measured by boost-bench calibrate, "
+        "such as cpu; published otherwise)",
+    )
+    from boost_compile.bench import compare
+
+    compare.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> tuple[str, dict]:
@@ -1006,8 +1092,24 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     return render(hw, wl, rows, grid, heads, head), data
 
 
+def comparison(args: argparse.Namespace, hw: Hardware) -> str:
+    """What ``--compare`` asks for, or its default for ``hw``: measured steps for a measured file."""
+    chosen = getattr(args, "compare", None)
+    return chosen or ("measured" if hw.measured else "published")
+
+
 def run_result(args: argparse.Namespace) -> Result:
-    """``run`` as a ``boost-bench`` result, with the acceptance bounds as targets."""
+    """``run`` as a ``boost-bench`` result, with the acceptance bounds as targets.
+
+    With ``--compare measured`` (the default for a measured hardware file): the
+    model beside ``boost-bench tp`` and ``pp``'s steps instead, a ``scale-cpu``
+    result (:mod:`boost_compile.bench.compare`).
+    """
+    hw = load_hardware(args.hardware)
+    if comparison(args, hw) == "measured":
+        from boost_compile.bench import compare
+
+        return compare.run_result(args, hw)
     text, data = run(args)
     targets = [
         Target(f"{row['model']} TP{row['tp']} PP{row['pp']}: btp {key.replace('_', ' ')} speed-up, |relative error| vs published",
@@ -1033,6 +1135,10 @@ def run_result(args: argparse.Namespace) -> Result:
 
 
 def chart(result: Result, path: str) -> None:
+    if "published" not in result.data:
+        from boost_compile.bench import compare
+
+        return compare.chart(result, path)
     rows = result.data["published"]
     labels = [f"{r['model']} TP{r['tp']}" + (f" PP{r['pp']}" if r["pp"] > 1 else "") for r in rows]
     bar_chart(
