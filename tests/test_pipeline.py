@@ -141,6 +141,46 @@ def test_split_hf_matches_the_model():
     torch.testing.assert_close(last(first(tokens)), model(input_ids=tokens).logits, rtol=0, atol=0)
 
 
+def _hf_family(kind: str):
+    transformers = pytest.importorskip("transformers")
+    common = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+              "tie_word_embeddings": False, "pad_token_id": 0}
+    configs = {
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        # sliding-window attention on the top two blocks, window 4 < the 16 tokens
+        "qwen2-sliding": lambda: transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=4,
+                                                          max_window_layers=2),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=16),
+        "mistral-window": lambda: transformers.MistralConfig(**common, sliding_window=4),
+        "gemma": lambda: transformers.GemmaConfig(**common, head_dim=16),  # sqrt(d)-scaled embedding
+        "phi3-window": lambda: transformers.Phi3Config(**common, sliding_window=4),
+        "olmo2": lambda: transformers.Olmo2Config(**common),
+    }
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(configs[kind](), attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen2-sliding", "qwen3", "mistral-window", "gemma", "phi3-window", "olmo2"])
+def test_split_hf_families_match_the_model(kind):
+    """Each supported family cut into two stages gives the whole model's logits, bit for bit: the
+    stages rebuild its masks (sliding windows where the model uses them) and its rotary embedding."""
+    model = _hf_family(kind)
+    tokens = torch.randint(0, 256, (2, 16))
+    first, last = (split_model(model, i, 2) for i in range(2))
+    torch.testing.assert_close(last(first(tokens)), model(input_ids=tokens).logits, rtol=0, atol=0)
+
+
+def test_split_refuses_unchecked_hf_families():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, pad_token_id=0)
+    model = transformers.Gemma2ForCausalLM(config)
+    with pytest.raises(PipelineError, match=r"does not support Gemma2ForCausalLM \(model_type 'gemma2'\).*soft-capping"):
+        split_model(model, 0, 2)
+
+
 def test_stage_compiles_with_boost():
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny"))

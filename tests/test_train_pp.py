@@ -63,6 +63,11 @@ def rel_diff(a: list[float], b: list[float]) -> float:
         (["parallel.pp=2", "parallel.pp_schedule=pipedream"], 2, r"parallel.pp_schedule='pipedream' is not valid"),
         (["parallel.microbatches=2"], 1, r"configure pipeline parallelism; set parallel.pp > 1"),
         (["parallel.pp=0"], 1, r"parallel.pp must be > 0"),
+        (["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], 2,
+         r"parallel.layers_per_stage=\[1, 2\] must give each of the 2 stages .* at least one block, 2 blocks in all"),
+        (["parallel.layers_per_stage=[1,1]"], 1, r"set parallel.pp > 1"),
+        (["parallel.pp=2", "model=hf-tiny", "model.hf_config.model_type=gpt2"], 2,
+         r"pipeline stages of Hugging Face model_type 'gpt2' are not supported"),
     ],
 )
 def test_pipeline_config_refusals(overrides, world, message):
@@ -123,10 +128,12 @@ def test_pp2_interleaved_1f1b_matches_single_process(reference4l, tmp_path):
 
 
 def test_pp2_dp2_zero1_matches_single_process(reference4l, tmp_path):
-    """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1)."""
-    pp = _torchrun(4, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1"],
-                   tmp_path / "ppdp")
+    """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1), the
+    blocks cut unevenly by hand (1 + 3)."""
+    pp = _torchrun(4, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
+                       "parallel.layers_per_stage=[1,3]"], tmp_path / "ppdp")
     assert pp["world"] == 4
+    assert "pipeline stage 0/2 on pp rank 0: blocks [0] + embedding" in (tmp_path / "ppdp" / "train.log").read_text()
     diff = rel_diff(pp["losses"], reference4l["losses"])
     print(f"pp2 x dp2, zero=1: max relative loss difference {diff:.2e}")
     assert diff <= REL

@@ -10,8 +10,8 @@ and gradients between ranks. There is no pipeline runtime here: this module only
   parameter count by default, the embedding counted on the first stage and the
   final norm + head on the last (:func:`model_costs`), or given explicitly;
 * builds one stage's module (:func:`split_model`) from the reference
-  :class:`boost_compile.models.Llama` or a Hugging Face ``LlamaForCausalLM``-family
-  model: a deep copy of that stage's blocks under their original names (parameter
+  :class:`boost_compile.models.Llama` or a Hugging Face causal LM of the model
+  types :data:`HF_MODEL_TYPES` (others are refused): a deep copy of that stage's blocks under their original names (parameter
   FQNs stay ``layers.3.attention...`` / ``model.layers.3.self_attn...``, so
   checkpoints and per-parameter comparisons line up with the whole model), the
   embedding on the first stage, the final norm and head on the last. Its
@@ -189,6 +189,14 @@ def _model_parts(model: nn.Module) -> dict[str, Any]:
     head = getattr(model, "lm_head", None)
     if head is None:
         raise PipelineError(f"split_model does not understand {name}: it looked for lm_head (the output head)")
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in HF_MODEL_TYPES:
+        raise PipelineError(
+            f"split_model does not support {name} (model_type {model_type!r}): a stage runs embed_tokens, the "
+            "blocks, norm and lm_head and nothing else, which is checked for model types "
+            f"{', '.join(HF_MODEL_TYPES)}; others may scale embeddings or logits outside those modules "
+            "(Gemma 2's logit soft-capping, Granite's multipliers)"
+        )
     return {"kind": "hf", "embed": inner.embed_tokens, "layers": inner.layers, "norm": inner.norm,
             "head": head, "rotary": inner.rotary_emb, "config": getattr(model, "config", None)}
 
@@ -265,11 +273,29 @@ class LlamaStage(_StreamMarkers, nn.Module):
         return self._leave(h)
 
 
-def _causal_mask(config: Any, hidden: Tensor, position_ids: Tensor) -> Any:
-    """Hugging Face's own causal mask for the configured attention (None when SDPA's is_causal does)."""
-    from transformers.masking_utils import create_causal_mask
+#: Hugging Face model types whose decoder is embed -> blocks -> norm -> lm_head and nothing else
+#: (no embedding multiplier outside embed_tokens, no logit soft-capping or scaling), each checked
+#: stage by stage against the whole model (tests/test_pipeline.py)
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "olmo2", "phi3")
 
-    params = inspect.signature(create_causal_mask).parameters
+
+def _sliding_layers(config: Any, n_layers: int) -> set[int]:
+    """The blocks whose attention is a sliding window, as the Hugging Face model masks them:
+    ``config.layer_types`` where the config has it (Qwen2, Qwen3), else every block when
+    ``config.sliding_window`` is set (Mistral, Phi-3)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return {i for i in range(n_layers) if layer_types[i] == "sliding_attention"}
+    return set(range(n_layers)) if getattr(config, "sliding_window", None) is not None else set()
+
+
+def _causal_mask(config: Any, hidden: Tensor, position_ids: Tensor, sliding: bool = False) -> Any:
+    """Hugging Face's own causal mask (or sliding-window causal mask) for the configured attention
+    (None when SDPA's is_causal does)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    make = create_sliding_window_causal_mask if sliding else create_causal_mask
+    params = inspect.signature(make).parameters
     values = {
         "config": config,
         "inputs_embeds": hidden,
@@ -280,7 +306,7 @@ def _causal_mask(config: Any, hidden: Tensor, position_ids: Tensor) -> Any:
         "cache_position": position_ids[0],
         "position_ids": position_ids,
     }
-    return create_causal_mask(**{k: v for k, v in values.items() if k in params})
+    return make(**{k: v for k, v in values.items() if k in params})
 
 
 class HFLlamaStage(_StreamMarkers, nn.Module):
@@ -301,6 +327,8 @@ class HFLlamaStage(_StreamMarkers, nn.Module):
             self.model.embed_tokens = parts["embed"]
         self.model.layers = parts["layers"]
         self.model.rotary_emb = parts["rotary"]
+        n_layers = getattr(self.config, "num_hidden_layers", layers.stop)
+        self.sliding = _sliding_layers(self.config, n_layers) & set(layers) if self.config is not None else set()
         if "head" in parts:
             self.model.norm = parts["norm"]
             self.lm_head = parts["head"]
@@ -310,8 +338,10 @@ class HFLlamaStage(_StreamMarkers, nn.Module):
         h = self.model.embed_tokens(x) if hasattr(self.model, "embed_tokens") else self._enter(x)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         position_embeddings = self.model.rotary_emb(h, position_ids)
-        mask = _causal_mask(self.config, h, position_ids) if self.config is not None else None
-        for layer in self.model.layers.values():
+        full = _causal_mask(self.config, h, position_ids) if self.config is not None else None
+        window = _causal_mask(self.config, h, position_ids, sliding=True) if self.sliding else None
+        for index, layer in self.model.layers.items():
+            mask = window if int(index) in self.sliding else full
             out = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
             h = out[0] if isinstance(out, tuple) else out
         if hasattr(self, "lm_head"):

@@ -85,7 +85,9 @@ class ParallelConfig:
     blocks are cut into ``pp * stages_per_rank`` stages, stage ``i`` on pipeline
     rank ``i % pp``; ``pp_schedule`` is ``gpipe``, ``1f1b``, ``interleaved_1f1b``
     or ``zero_bubble`` (the interleaved two need ``stages_per_rank >= 2``);
-    ``microbatches`` splits each rank's batch (null: ``pp``).
+    ``microbatches`` splits each rank's batch (null: ``pp``). The blocks are
+    balanced over the stages by parameter count, or cut as ``layers_per_stage``
+    says (one count per stage, in stage order).
 
     ``zero=1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank.
@@ -99,6 +101,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     microbatches: int | None = None
     stages_per_rank: int = 1
+    layers_per_stage: list[int] | None = None
     zero: int = 0
 
     @property
@@ -495,11 +498,11 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
         _positive("parallel.microbatches", par.microbatches)
     _choice("parallel.pp_schedule", par.pp_schedule, tuple(PP_SCHEDULES))
     if par.pp == 1:
-        if par.stages_per_rank != 1 or par.microbatches is not None:
+        if par.stages_per_rank != 1 or par.microbatches is not None or par.layers_per_stage is not None:
             raise ConfigError(
-                "parallel.stages_per_rank and parallel.microbatches configure pipeline parallelism; "
-                f"set parallel.pp > 1 (got pp=1, stages_per_rank={par.stages_per_rank}, "
-                f"microbatches={par.microbatches})"
+                "parallel.stages_per_rank, parallel.microbatches and parallel.layers_per_stage configure pipeline "
+                f"parallelism; set parallel.pp > 1 (got pp=1, stages_per_rank={par.stages_per_rank}, "
+                f"microbatches={par.microbatches}, layers_per_stage={par.layers_per_stage})"
             )
         return
     if par.tp > 1 and par.plan == "vanilla":
@@ -507,6 +510,15 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
             "parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron (their stages pass the stream "
             "between ranks as plain tensors); plan=vanilla's DTensor stages are not supported with pp"
         )
+    if shape.kind == "hf":
+        from boost_compile.distributed.pipeline import HF_MODEL_TYPES
+
+        model_type = getattr(shape.hf_config, "model_type", None)
+        if model_type not in HF_MODEL_TYPES:
+            raise ConfigError(
+                f"parallel.pp={par.pp}: pipeline stages of Hugging Face model_type {model_type!r} are not supported "
+                f"(checked: {', '.join(HF_MODEL_TYPES)}); use parallel.pp=1"
+            )
     if shape.tie_embeddings:
         raise ConfigError(
             f"parallel.pp={par.pp}: the model's output head is tied to its embedding (tie_embeddings), and "
@@ -538,6 +550,13 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
             f"model has {n_layers} blocks: every stage needs at least one block; use fewer stages or more layers "
             "(model.overrides.n_layers=...)"
         )
+    if par.layers_per_stage is not None:
+        counts = list(par.layers_per_stage)
+        if len(counts) != stages or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != n_layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage={counts} must give each of the {stages} stages (pp={par.pp} x "
+                f"stages_per_rank={par.stages_per_rank}) at least one block, {n_layers} blocks in all"
+            )
     n_mb = par.n_microbatches
     if tr.batch % par.dp == 0 and (tr.batch // par.dp) % n_mb:
         local = tr.batch // par.dp

@@ -206,7 +206,8 @@ def build_pipeline_parts(
     num_stages = dev.pp * par.stages_per_rank
     indices = list(range(dev.pp_rank, num_stages, dev.pp))
     try:
-        stages = [split_model(target, i, num_stages) for i in indices]
+        layers = list(par.layers_per_stage) if par.layers_per_stage is not None else None
+        stages = [split_model(target, i, num_stages, layers_per_stage=layers) for i in indices]
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
     del whole, target
