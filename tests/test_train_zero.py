@@ -64,3 +64,12 @@ def test_zero1_checkpoint_resumes_exactly(tmp_path):
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], abs=1e-6, rel=0)
     single = run(cfg_of(*BASE[:-1], *resume), tmp_path / "c")
     assert single["losses"] == pytest.approx(straight["losses"][3:], abs=2e-4, rel=0)
+
+
+def test_zero1_with_tensor_parallelism(ddp, tmp_path):
+    """TP2 x DP2 with zero=1: each TP rank's shards have their AdamW state split over its dp pair."""
+    run4 = _torchrun(4, [*BASE, "parallel.tp=2", "parallel.zero=1", "checkpoint.enabled=false"], tmp_path / "tpdp")
+    assert run4["world"] == 4
+    assert run4["losses"] == pytest.approx(ddp["losses"], abs=2e-4, rel=0)
+    # a TP2 rank holds half the block weights, and ZeRO-1 half of their state on each dp rank
+    assert run4["state_mib"]["optimizer"] < 0.35 * ddp["state_mib"]["optimizer"]
