@@ -6,13 +6,12 @@ compiled with backend="boost"."""
 from __future__ import annotations
 
 import functools
-import json
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from scenario_runner import run_scenarios
 
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
@@ -143,18 +142,10 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch._dynamo.config.cache_size_limit = 64
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "x"))  # a TP (or DP) pair is consecutive ranks
-    results: dict[str, Any] = {}
-    for sc in scenarios:
-        try:
-            with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-                results[sc["name"]] = scenario(sc, mesh)
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[sc["name"]] = {"error": traceback.format_exc()}
-        torch._dynamo.reset()
-        dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
+
+    def run(sc: dict[str, Any]) -> dict[str, Any]:
+        # the collective census runs inside the compile: a cache hit would skip it
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+            return scenario(sc, mesh)
+
+    run_scenarios(rank, world, scenarios, result_path, run)

@@ -15,14 +15,12 @@ import os
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 import datetime  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from scenario_runner import run_scenarios  # noqa: E402
 
 from boost_compile.distributed.pipeline import build_schedule, pipeline_step, split_model  # noqa: E402
 from boost_compile.models import Llama, LlamaConfig  # noqa: E402
@@ -103,19 +101,4 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
                             timeout=datetime.timedelta(seconds=int(os.environ.get("PP_TIMEOUT", "120"))))  # a failing rank must not hang the other
     torch._dynamo.config.cache_size_limit = 64
     torch.set_num_threads(1)
-    results: dict[str, Any] = {}
-    for sc in scenarios:
-        try:
-            results[sc["name"]] = scenario(sc)
-        except Exception:  # noqa: BLE001 - reported to the test
-            results[sc["name"]] = {"error": traceback.format_exc()}
-            print(f"rank {rank}, scenario {sc['name']}:", results[sc["name"]]["error"], file=sys.stderr, flush=True)
-        torch._dynamo.reset()
-        dist.barrier()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        with open(result_path, "w") as f:
-            json.dump(gathered, f)
-    dist.destroy_process_group()
-
+    run_scenarios(rank, world, scenarios, result_path, scenario)

@@ -15,11 +15,9 @@ every gathered gradient within 1e-5.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-import torch.multiprocessing as mp
 
 RTOL = 1e-5
 SCENARIOS = [
@@ -37,12 +35,9 @@ SCENARIOS = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from pp_tp_worker import worker
+    from scenario_runner import spawn_scenarios
 
-    folder = tmp_path_factory.mktemp("pptp")
-    store, out = str(folder / "store"), str(folder / "results.json")
-    mp.spawn(worker, args=(4, store, SCENARIOS, out), nprocs=4, join=True)
-    with open(out) as f:
-        return json.load(f)  # one dict per rank
+    return spawn_scenarios(worker, 4, SCENARIOS, tmp_path_factory.mktemp("pptp"))
 
 
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
