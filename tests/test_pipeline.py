@@ -12,11 +12,8 @@ this process.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from boost_compile.distributed.pipeline import PipelineError, model_costs, split_model, stage_layers
 from boost_compile.models import Llama, LlamaConfig
@@ -37,12 +34,9 @@ SCENARIOS = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from pp_worker import worker
+    from scenario_runner import spawn_scenarios
 
-    folder = tmp_path_factory.mktemp("pp")
-    store, out = str(folder / "store"), str(folder / "results.json")
-    mp.spawn(worker, args=(2, store, SCENARIOS, out), nprocs=2, join=True)
-    with open(out) as f:
-        return json.load(f)  # one dict per rank
+    return spawn_scenarios(worker, 2, SCENARIOS, tmp_path_factory.mktemp("pp"))
 
 
 @pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
@@ -264,3 +258,16 @@ def test_schedule_refusals(tmp_path):
             pipeline_step(schedule, tokens[:1].expand(3, -1), tokens[:1].expand(3, -1))
     finally:
         dist.destroy_process_group()
+
+
+def test_stream_dtype_follows_a_cast():
+    """PipelineStage is told the stream's dtype: a stage cast to bf16 sends and receives bf16."""
+    from boost_compile.distributed.pipeline import _example_io
+
+    model = Llama(LlamaConfig.preset("tiny"))
+    stage = split_model(model, 0, 2)
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    assert _example_io(stage, tokens)[1].dtype == torch.float32
+    stage.to(torch.bfloat16)
+    inp, out = _example_io(stage, tokens)
+    assert inp.dtype == torch.long and out.dtype == torch.bfloat16

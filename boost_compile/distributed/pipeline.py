@@ -231,6 +231,11 @@ class _StreamMarkers:
     def _logits(self, logits: Tensor) -> Tensor:
         return self._logits_out(logits) if self._logits_out is not None else logits
 
+    @property
+    def hidden_dtype(self) -> torch.dtype:
+        """The dtype of the stream between stages: the stage's parameters' (it follows a cast)."""
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
+
     def _enter(self, x: Tensor) -> Tensor:
         if self._input_guard is not None:
             x = self._input_guard(x)
@@ -247,7 +252,7 @@ class LlamaStage(_StreamMarkers, nn.Module):
                  stage_index: int, num_stages: int, layers: range) -> None:
         super().__init__()
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layers
-        self.hidden_size, self.hidden_dtype = parts["hidden"]
+        self.hidden_size = parts["hidden"]
         self.max_seq_len = max_seq_len
         if "embed" in parts:
             self.tok_embeddings = parts["embed"]
@@ -320,7 +325,7 @@ class HFLlamaStage(_StreamMarkers, nn.Module):
     def __init__(self, parts: dict[str, Any], stage_index: int, num_stages: int, layers: range) -> None:
         super().__init__()
         self.stage_index, self.num_stages, self.layer_range = stage_index, num_stages, layers
-        self.hidden_size, self.hidden_dtype = parts["hidden"]
+        self.hidden_size = parts["hidden"]
         self.config = parts["config"]
         self.model = nn.Module()
         if "embed" in parts:
@@ -389,8 +394,8 @@ def split_model(
     if parts["kind"] == "hf":
         pieces["rotary"] = parts["rotary"]
     pieces = copy.deepcopy(pieces)  # one copy: weights shared between kept pieces stay shared
-    # the stream between stages: the embedding's width and dtype
-    pieces["hidden"] = (parts["embed"].weight.shape[1], parts["embed"].weight.dtype)
+    # the stream between stages: the embedding's width
+    pieces["hidden"] = parts["embed"].weight.shape[1]
     if parts["kind"] == "boost":
         rope = (model.rope_cos.detach().clone(), model.rope_sin.detach().clone())
         return LlamaStage(pieces, rope, model.config.max_seq_len, stage_index, num_stages, keep)

@@ -219,7 +219,6 @@ def build_pipeline_parts(
     if tr.precision == "bf16-true":
         for stage in stages:
             stage.to(torch.bfloat16)
-            stage.hidden_dtype = torch.bfloat16  # the stream between stages is bf16 too
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)
