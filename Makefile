@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m boost_compile.train trainer.threads=1
 
+# the whole suite (tests/unit, tests/distributed) with its 25 slowest tests listed;
+# PYTEST_ARGS adds to it, e.g. make test PYTEST_ARGS=tests/unit for the quick loop
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -129,12 +129,12 @@ def build_from_source(source: Source, device: torch.device | str = "cpu") -> nn.
     tokenizer), with the checkpoint's weights, in eval mode."""
     from boost_compile.train.config import model_shape
     from boost_compile.train.model import build_model, fit_vocab
+    from boost_compile.train.parallel import cast_weights
 
     tc = source.config
     shape = fit_vocab(model_shape(tc.model, tc.trainer.seq), tc.model, source.tokenizer().vocab_size)
     model = build_model(tc, shape, torch.device(device))
-    if tc.trainer.precision == "bf16-true":
-        model.to(torch.bfloat16)
+    cast_weights(model, tc.trainer.precision)
     load_checkpoint_model(model, source.checkpoint)
     return model.eval()
 

@@ -280,7 +280,7 @@ class LlamaStage(_StreamMarkers, nn.Module):
 
 #: Hugging Face model types whose decoder is embed -> blocks -> norm -> lm_head and nothing else
 #: (no embedding multiplier outside embed_tokens, no logit soft-capping or scaling), each checked
-#: stage by stage against the whole model (tests/test_pipeline.py)
+#: stage by stage against the whole model (tests/distributed/test_pipeline.py)
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "olmo2", "phi3")
 
 

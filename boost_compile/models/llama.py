@@ -369,7 +369,10 @@ class Llama(nn.Module):
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        logits = logits.flatten(0, 1)
+        if logits.dtype != torch.float64:  # the loss in fp32 (bf16 logits upcast), an fp64 model's in fp64
+            logits = logits.float()
+        return F.cross_entropy(logits, targets.flatten())
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""

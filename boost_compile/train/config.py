@@ -27,7 +27,7 @@ from boost_compile.config import BoostConfig, ConfigError, FactorizeConfig
 
 BACKENDS = ("boost", "inductor", "aot_eager", "eager", "none")
 PLANS = ("btp", "megatron", "vanilla", "auto")
-PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
+PRECISIONS = ("fp32", "bf16-mixed", "bf16-true", "fp64")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULES = ("cosine", "linear", "constant")
 DATA_SOURCES = ("stdlib", "text", "hf")
@@ -199,8 +199,9 @@ class TrainerConfig:
     """``trainer=``: the loop.
 
     ``batch`` is the global batch (split over the ``dp`` ranks), ``seq`` the
-    sequence length. ``precision``: fp32, bf16-mixed (autocast) or bf16-true
-    (bf16 weights). ``log_every``/``save_every``/``eval_every`` are in steps
+    sequence length. ``precision``: fp32, bf16-mixed (autocast), bf16-true
+    (bf16 weights) or fp64 (float64 weights and compute: the reference a parity
+    check measures fp32 runs against). ``log_every``/``save_every``/``eval_every`` are in steps
     (0 = off; the last step always logs and evaluates). ``eval_batches``: val
     batches per evaluation (null = the whole val split). ``resume``: continue from
     the newest checkpoint (see ``checkpoint.resume_from``). ``progress``: a tqdm

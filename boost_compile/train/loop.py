@@ -122,7 +122,8 @@ def make_train_step(
         optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        return StepOutput(loss=float(dev.mean_over_dp(loss.detach().float())), lr=lr, grad_norm=grad_norm, state=state)
+        loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))  # bf16 up, fp64 kept
+        return StepOutput(loss=float(dev.mean_over_dp(loss)), lr=lr, grad_norm=grad_norm, state=state)
 
     return step
 
@@ -135,11 +136,11 @@ def evaluate(forward: nn.Module, data: PackedTokens, n_batches: int | None, dev:
     zeros elsewhere; the sum over pp puts it on every rank.
     """
     count = len(data) if n_batches is None else min(n_batches, len(data))
-    total = torch.zeros((), device=dev.device)
+    total = torch.zeros((), device=dev.device, dtype=torch.float64)
     for index in range(count):
         inputs, targets = data.batch(0, index)
         with autocast():
-            total += forward(inputs.to(dev.device), targets.to(dev.device)).float()
+            total += forward(inputs.to(dev.device), targets.to(dev.device)).double()
     return float(dev.sum_over_pp(dev.mean_over_dp(total / max(1, count))))
 
 

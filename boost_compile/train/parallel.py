@@ -205,6 +205,16 @@ class ModelParts:
     eval_fn: nn.Module  # compiled with tp (a TP model runs only through the backend), else eager
 
 
+#: the weights' dtype of each precision that casts them (fp32 and bf16-mixed keep fp32 weights)
+WEIGHT_DTYPES = {"bf16-true": torch.bfloat16, "fp64": torch.float64}
+
+
+def cast_weights(model: nn.Module, precision: str) -> None:
+    """Cast ``model`` to the weight dtype of ``precision`` (trainer.precision), if it has one."""
+    if precision in WEIGHT_DTYPES:
+        model.to(WEIGHT_DTYPES[precision])
+
+
 def build_model_parts(
     tc: TrainConfig,
     shape: ModelShape,
@@ -226,8 +236,7 @@ def build_model_parts(
         if example is None:
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
         parallelize(model, tc, dev, example)
-    if tc.trainer.precision == "bf16-true":
-        model.to(torch.bfloat16)
+    cast_weights(model, tc.trainer.precision)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc)

@@ -48,7 +48,7 @@ from torch import nn
 from boost_compile.config import ConfigError
 from boost_compile.train.config import ModelShape, TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model
-from boost_compile.train.parallel import Dist, compile_model
+from boost_compile.train.parallel import Dist, cast_weights, compile_model
 
 log = logging.getLogger("boost_compile.train")
 
@@ -216,9 +216,8 @@ def build_pipeline_parts(
     micro_batch = local_batch // n_mb
     if dev.tp > 1:
         _parallelize_stages(stages, indices, tc, dev, micro_batch)
-    if tr.precision == "bf16-true":
-        for stage in stages:
-            stage.to(torch.bfloat16)
+    for stage in stages:
+        cast_weights(stage, tr.precision)
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)

@@ -238,7 +238,7 @@ def interpreted_kernel_results(tmp_path_factory) -> dict:
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stdout}\n{proc.stderr}"
     return torch.load(out_path)

@@ -1,23 +1,21 @@
-"""boost-train: config composition, validation, resume, data parallel, sweeps.
+"""boost-train in one process: config composition, validation, resume, sweeps.
 
 Runs are tiny (preset tiny, a few steps of 4 x 32 bytes, small corpus) and use
-cheap compilers (eager / boost with aot_eager); the multi-process tests start
-torchrun on 127.0.0.1 with gloo.
+cheap compilers (eager / boost with aot_eager). The runs on several processes are in
+tests/distributed/test_train_parallel.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import FAST, cfg_of
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, lr_multiplier, run, write_sweep_summary
@@ -25,33 +23,12 @@ from boost_compile.train.config import (
     GROUPS,
     TrainConfig,
     config_dir,
-    register_configs,
     to_train_config,
     tp_available,
     validate,
 )
 
-# small and fast: 4 x 32 tokens, a 200 kB corpus, eager Dynamo capture
-FAST = (
-    "trainer=quick",
-    "trainer.steps=6",
-    "trainer.eval_every=0",
-    "trainer.eval_batches=2",
-    "trainer.save_every=0",
-    "trainer.plot=false",
-    "trainer.progress=none",
-    "trainer.threads=1",  # as under torchrun; two threads crawl on a shared 2-core machine
-    "data.max_bytes=200000",
-    "passes=eager",
-)
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cfg_of(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
-
+REPO = Path(__file__).resolve().parents[2]
 
 def group_options() -> list[tuple[str, str]]:
     root = config_dir()
@@ -61,11 +38,9 @@ def group_options() -> list[tuple[str, str]]:
         for path in sorted((root / group).glob("*.yaml"))
     ]
 
-
 def test_config_dir_is_the_checkout():
     assert config_dir() == REPO / "hydra_conf"
     assert {p.name for p in config_dir().iterdir() if p.is_dir()} >= {*GROUPS, "experiment"}
-
 
 def test_defaults_compose_to_the_schema():
     cfg = cfg_of()
@@ -75,7 +50,6 @@ def test_defaults_compose_to_the_schema():
     assert tc.passes.backend == "boost" and tc.parallel.dp == tc.parallel.tp == 1
     assert tc.data.source == "stdlib" and tc.trainer.steps == 200
 
-
 # Options that compose but need something more before they validate.
 NEEDS_MORE = {
     ("model", "hf"): "hf_path",
@@ -83,7 +57,6 @@ NEEDS_MORE = {
     ("data", "hf"): "datasets" if not __import__("importlib").util.find_spec("datasets") else "data.dataset",
     ("parallel", "tp4"): "kv-heads" if tp_available() else "not available",
 }
-
 
 @pytest.mark.parametrize(("group", "option"), group_options(), ids=lambda v: v)
 def test_every_group_option_composes(group, option):
@@ -104,7 +77,6 @@ def test_every_group_option_composes(group, option):
         with pytest.raises(ConfigError, match=expected):
             validate(cfg, world_size=world)
 
-
 def test_schema_rejects_unknown_keys_and_types():
     from hydra.errors import ConfigCompositionException
 
@@ -112,7 +84,6 @@ def test_schema_rejects_unknown_keys_and_types():
         cfg_of("trainer.stpes=3")
     with pytest.raises(ConfigCompositionException):
         cfg_of("trainer.steps=many")
-
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
@@ -135,13 +106,11 @@ def test_bad_values_stop_with_a_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_of(*overrides), world_size=1)
 
-
 def test_world_size_and_batch_must_fit_the_mesh():
     with pytest.raises(ConfigError, match=r"dp=2 x tp=1 = 2 ranks, but 4 processes were started"):
         validate(cfg_of("parallel=dp2"), world_size=4)
     with pytest.raises(ConfigError, match=r"trainer.batch=5 .* divisible by parallel.dp=2"):
         validate(cfg_of("parallel=dp2", "trainer.batch=5"), world_size=2)
-
 
 def test_tp_degree_must_divide_the_heads():
     cfg = cfg_of("parallel.tp=3")
@@ -151,7 +120,6 @@ def test_tp_degree_must_divide_the_heads():
         message = r"tensor parallelism is not available in this build"
     with pytest.raises(ConfigError, match=message):
         validate(cfg, world_size=3)
-
 
 def test_cli_reports_bad_values_before_starting(tmp_path):
     out = tmp_path / "run"
@@ -164,7 +132,6 @@ def test_cli_reports_bad_values_before_starting(tmp_path):
     assert "Traceback" not in proc.stderr
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
 
-
 def test_lr_schedule():
     scale = lr_multiplier(total=100, warmup=10, schedule="cosine", min_ratio=0.1)
     assert scale(0) == pytest.approx(0.1) and scale(9) == pytest.approx(1.0)
@@ -172,10 +139,6 @@ def test_lr_schedule():
     assert scale(55) == pytest.approx(0.55)
     assert lr_multiplier(100, 0, "constant", 0.1)(50) == 1.0
     assert lr_multiplier(100, 0, "linear", 0.0)(50) == pytest.approx(0.5)
-
-
-# ----------------------------------------------------------------------------- runs
-
 
 def test_run_writes_metrics_plot_summary_and_checkpoints(tmp_path):
     cfg = cfg_of(*FAST, "trainer.save_every=3", "trainer.plot=true", "trainer.eval_every=3")
@@ -191,7 +154,6 @@ def test_run_writes_metrics_plot_summary_and_checkpoints(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert find_checkpoint(tmp_path / "checkpoints").name == "step_000006"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
-
 
 # The reference: one process, boost with aot_eager, fp32, checkpoints at steps 3 and 6.
 REFERENCE = (*FAST, "passes=boost_aot_eager", "trainer.save_every=3")
@@ -215,7 +177,6 @@ def test_resume_matches_an_uninterrupted_run(reference, tmp_path):
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         run(cfg_of(*REFERENCE, "trainer.resume=true"), tmp_path / "c")
 
-
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
@@ -238,7 +199,6 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes(tmp_path):
     assert "continue with trainer.resume=true" in output
     resumed = run(cfg_of(*FAST, "passes=none", "trainer.resume=true", f"trainer.steps={stopped_at + 2}"), out)
     assert resumed["start_step"] == stopped_at and resumed["steps"] == stopped_at + 2
-
 
 @pytest.mark.parametrize(
     "overrides",
@@ -265,55 +225,6 @@ def test_other_models_data_and_precision_train(tmp_path, overrides):
     assert result["status"] == "completed" and len(result["losses"]) == 3
     assert all(0 < loss < 10 for loss in result["losses"])
 
-
-# ----------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(nproc: int, overrides: list[str], out: Path) -> dict:
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "boost_compile.train", *overrides, f"hydra.run.dir={out}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads((out / "summary.json").read_text())
-
-
-def test_dp2_matches_single_process(reference, tmp_path):
-    """Two gloo ranks with half of the same global batch each follow the single-process losses."""
-    single, _ = reference
-    dp2 = _torchrun(2, [*REFERENCE, "parallel=dp2"], tmp_path / "dp2")
-    assert dp2["world"] == 2 and dp2["steps"] == 6
-    assert dp2["losses"] == pytest.approx(single["losses"], abs=2e-4, rel=0)
-    # one DCP checkpoint, written by both ranks
-    assert find_checkpoint(tmp_path / "dp2" / "checkpoints").name == "step_000006"
-
-
-def test_tp2_matches_single_process_and_resumes(reference, tmp_path):
-    if not tp_available():
-        with pytest.raises(ConfigError, match="tensor parallelism is not available in this build"):
-            validate(cfg_of("parallel=tp2"), world_size=2)
-        pytest.skip("boost_compile.parallelize_ is not in this build (checked the error instead)")
-    single, _ = reference
-    tp2 = _torchrun(2, [*REFERENCE, "parallel=tp2"], tmp_path / "tp2")
-    assert tp2["losses"] == pytest.approx(single["losses"], abs=2e-4, rel=0)
-    # the sharded checkpoint of step 3 (one DTensor shard per rank) resumes exactly
-    checkpoint = tmp_path / "tp2" / "checkpoints" / "step_000003"
-    resumed = _torchrun(
-        2, [*REFERENCE, "parallel=tp2", "trainer.resume=true", f"checkpoint.resume_from={checkpoint}"],
-        tmp_path / "tp2b",
-    )
-    assert resumed["losses"] == pytest.approx(tp2["losses"][3:], abs=1e-6, rel=0)
-
-
 def test_multirun_writes_a_summary_table(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
@@ -331,7 +242,6 @@ def test_multirun_writes_a_summary_table(tmp_path):
     assert "| job | config | status |" in table and table.count("| completed |") == 2
     assert "sweep summary" in proc.stdout
 
-
 def test_sweep_summary_from_job_folders(tmp_path):
     for job, loss in (("1", 2.5), ("0", 3.25), ("10", 1.0)):
         (tmp_path / job).mkdir()
@@ -343,7 +253,6 @@ def test_sweep_summary_from_job_folders(tmp_path):
     rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
     assert [r.split(",")[0] for r in rows] == ["0", "1", "10"]
     assert "| 0 | x=0\\|y | completed | 5 | 3.2500 |  | 12,346 | 512 | 3.0 |" in table
-
 
 def test_to_train_config_accepts_plain_dicts():
     tc = to_train_config({"trainer": {"steps": 3}, "model": {"preset": "tiny-dense"}})

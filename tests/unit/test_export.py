@@ -2,24 +2,21 @@
 
 Runs are tiny (a few steps of 4 x 32 bytes, no compile) and write into tmp_path;
 the run's ``.hydra/config.yaml`` is the composed config, as Hydra writes it (one
-test starts the real ``python -m boost_compile.train``). The tensor-parallel case
-saves a tp=2 checkpoint from two gloo processes (``mp.spawn``) with the trainer's
-:class:`Checkpointer` and compares the export with ``gather_full_state_dict``.
+test starts the real ``python -m boost_compile.train``). The tensor-parallel case is
+tests/distributed/test_export_tp.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST, assert_same_state, cfg_of
 from omegaconf import OmegaConf
-from test_train import FAST, cfg_of
 
 from boost_compile.export import EXPORT_FILE, export, load_exported, load_trained, main, resolve
 from boost_compile.models import Llama, LlamaConfig
@@ -29,7 +26,6 @@ from boost_compile.train.model import build_model, fit_vocab
 
 QUICK = (*FAST, "passes=none", "trainer.steps=2")
 
-
 def train(out: Path, *overrides: str) -> Path:
     """A two-step run into ``out`` with its config where Hydra puts it."""
     cfg = cfg_of(*QUICK, *overrides)
@@ -38,18 +34,6 @@ def train(out: Path, *overrides: str) -> Path:
     OmegaConf.save(cfg, out / ".hydra" / "config.yaml")
     return out
 
-
-def assert_same_state(a: torch.nn.Module | dict, b: torch.nn.Module | dict, prefix: str = "") -> None:
-    """Bitwise equal parameters (``prefix`` stripped from ``a``'s names)."""
-    sa = a if isinstance(a, dict) else dict(a.named_parameters())
-    sb = b if isinstance(b, dict) else dict(b.named_parameters())
-    sa = {k.removeprefix(prefix): v for k, v in sa.items()}
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert sa[name].dtype == sb[name].dtype, name
-        assert torch.equal(sa[name], sb[name]), name
-
-
 def initial_model(run_dir: Path) -> torch.nn.Module:
     """The run's model before training (the weights a lost checkpoint would leave)."""
     source = resolve(run_dir)
@@ -57,17 +41,11 @@ def initial_model(run_dir: Path) -> torch.nn.Module:
     shape = fit_vocab(model_shape(tc.model, tc.trainer.seq), tc.model, source.tokenizer().vocab_size)
     return build_model(tc, shape, torch.device("cpu"))
 
-
 def changed(trained: torch.nn.Module, initial: torch.nn.Module) -> bool:
     init = dict(initial.named_parameters())
     return any(not torch.equal(p, init[n]) for n, p in trained.named_parameters())
 
-
 TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-# ----------------------------------------------------------------------------- Hugging Face, dense
-
 
 def test_dense_hf_model_loads_with_transformers(tmp_path):
     """The real CLI run (Hydra writes .hydra/config.yaml), with a BPE of 300 tokens: the
@@ -102,10 +80,6 @@ def test_dense_hf_model_loads_with_transformers(tmp_path):
     assert tokenizer.encode(text) == source.tokenizer().encode(text)
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
-
-# ----------------------------------------------------------------------------- reference and factorized
-
-
 def test_reference_model_loads_back_exactly(tmp_path, capsys):
     out = train(tmp_path / "run", "model=tiny", "trainer.save_every=1", "checkpoint.keep=3")
     main([str(out), str(tmp_path / "newest")])
@@ -123,7 +97,6 @@ def test_reference_model_loads_back_exactly(tmp_path, capsys):
     first = Llama.from_pretrained(tmp_path / "first")
     assert changed(trained, first)
     assert_same_state(load_trained(out / "checkpoints" / "step_000001")[0], first)
-
 
 @pytest.mark.parametrize(
     ("overrides", "kind"),
@@ -149,7 +122,6 @@ def test_factorized_models_load_back_exactly(tmp_path, overrides, kind):
         assert config["projection"] == "dense" and len(config["lowrank_layers"]) == 2 * 7
         assert isinstance(Llama.from_pretrained(tmp_path / "out"), Llama)
 
-
 def test_save_pretrained_keeps_tied_weights_and_dtype(tmp_path):
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset("tiny", tie_embeddings=True)).to(torch.bfloat16)
@@ -159,7 +131,6 @@ def test_save_pretrained_keeps_tied_weights_and_dtype(tmp_path):
     assert_same_state(model, loaded)
     with pytest.raises(ValueError, match="safetensors only"):
         model.save_pretrained(tmp_path, safe_serialization=False)
-
 
 def test_errors_name_the_fix(tmp_path, capsys):
     def error(*args: str) -> str:
@@ -178,79 +149,3 @@ def test_errors_name_the_fix(tmp_path, capsys):
     main([str(step), str(tmp_path / "out"), "--config", str(ckpt / ".hydra" / "config.yaml")])
     main([str(ckpt), str(tmp_path / "out2")])  # the run folder finds checkpoint.dir
     assert_same_state(Llama.from_pretrained(tmp_path / "out"), Llama.from_pretrained(tmp_path / "out2"))
-
-
-# ----------------------------------------------------------------------------- tensor parallel
-
-
-class _NoData:
-    """What the Checkpointer saves of the data loader (this test trains no step)."""
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": 0}
-
-
-def _tp_worker(rank: int, world: int, folder: str, port: int) -> None:
-    """One rank of a tp=2 model: perturb the shards, save a checkpoint, gather the whole state."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    import boost_compile as bc
-    from boost_compile.train import (
-        Checkpointer,
-        build_model_parts,
-        make_optimizer,
-        setup_distributed,
-    )
-    from boost_compile.train.config import validate
-
-    root = Path(folder)
-    tc, shape = validate(OmegaConf.load(root / ".hydra" / "config.yaml"), world_size=world)
-    dev = setup_distributed(tc)
-    try:
-        example = torch.randint(0, 256, (tc.trainer.batch, tc.trainer.seq), generator=torch.Generator().manual_seed(0))
-        model = build_model_parts(tc, shape, dev, example).model
-        noise = torch.Generator().manual_seed(1)
-        with torch.no_grad():  # trained-looking weights: each shard moves differently
-            for p in model.parameters():
-                spec = getattr(p, "_boost_tp", None)
-                scale = 0.01 * (1 + dev.tp_rank if spec is not None and spec.dim is not None else 1)
-                p.add_(scale * torch.randn(p.shape, generator=noise))
-        optimizer, scheduler = make_optimizer(model, tc.optim, tc.trainer.steps)
-        ckpt = Checkpointer(tc.checkpoint, root / "checkpoints", dev, model, optimizer, scheduler, _NoData())
-        ckpt.save(5)
-        full = bc.gather_full_state_dict(model)
-        sharded = [n for n, p in model.named_parameters() if getattr(getattr(p, "_boost_tp", None), "dim", None) is not None]
-        if rank == 0:
-            torch.save({"full": full, "sharded": sharded}, root / "full.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def test_tp2_checkpoint_exports_the_gathered_model(tmp_path):
-    from boost_compile.train.config import tp_available
-
-    if not tp_available():
-        pytest.skip("boost_compile.parallelize_ is not in this build")
-    import torch.multiprocessing as mp
-
-    cfg = cfg_of(*QUICK, "model=tiny", "parallel=tp2", "passes=boost_aot_eager")
-    (tmp_path / ".hydra").mkdir()
-    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(2, str(tmp_path), port), nprocs=2, join=True)
-    saved = torch.load(tmp_path / "full.pt")
-    assert len(saved["sharded"]) > 10  # the btp plan sharded the bottlenecks, the embedding, ...
-
-    info = export(tmp_path, tmp_path / "out")
-    assert info["format"] == "boost_llama" and info["step"] == 5
-    loaded = Llama.from_pretrained(tmp_path / "out")
-    full = {n: t for n, t in saved["full"].items() if n in dict(loaded.named_parameters())}
-    assert_same_state(full, loaded)

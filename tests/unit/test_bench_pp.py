@@ -1,9 +1,9 @@
-"""boost-bench pp (1 process, TP2, PP2, DP2) and boost-bench calibrate, on tiny sizes.
+"""boost-bench pp's ratios and report sections, and boost-bench calibrate, on tiny sizes.
 
-What is checked is what the report and the scale model rely on: the rows and
-their layouts, the ratios against the named baseline, the bytes each rank
-sends (against the preset's own shapes), the calibration file's layout and
-its fits on synthetic measurements; never a timing.
+What is checked is what the report and the scale model rely on: the ratios against
+the named baseline, the calibration file's layout and its fits on synthetic
+measurements; never a timing. The pp runs themselves (their processes) are in
+tests/distributed/test_bench_parallel.py.
 """
 
 from __future__ import annotations
@@ -13,63 +13,6 @@ import json
 import pytest
 
 from boost_compile.bench import calibrate, cli, pp, scale
-from boost_compile.bench.results import load
-from boost_compile.models import Llama, LlamaConfig
-
-SEQ, BATCH, MICRO = 16, 4, 2
-
-
-@pytest.fixture(scope="module")
-def pp_tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp")
-    cli.main(["pp", "--size", "tiny", "--seq", str(SEQ), "--batch", str(BATCH), "--microbatches", str(MICRO),
-              "--repeats", "1", "--warmup", "0", "--inner", "aot_eager", "--out", str(out)])
-    return out, load(str(out), "pp")
-
-
-@pytest.mark.slow
-def test_pp_rows_and_ratios(pp_tiny):
-    out, r = pp_tiny
-    rows = r.data["rows"]
-    assert list(rows) == ["1 process", "TP2 btp", "PP2", "DP2"] and r.data["baseline"] == "1 process"
-    assert [(x["tp"], x["pp"], x["dp"]) for x in rows.values()] == [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)]
-    assert rows["PP2"]["micro_batches"] == MICRO and rows["TP2 btp"]["micro_batches"] == 1
-    base = rows["1 process"]["step_s"]
-    for label, x in rows.items():
-        assert x["step_s"] == sorted(x["times_s"])[len(x["times_s"]) // 2]
-        assert x["speedup"] == pytest.approx(base / x["step_s"])
-        assert x["tokens_per_s"] == pytest.approx(BATCH * SEQ / x["step_s"])
-        if label != "1 process":
-            assert x["x_of_perfect"] == pytest.approx(x["step_s"] / (base / 2))
-    assert rows["1 process"]["speedup"] == 1.0 and rows["1 process"]["x_of_perfect"] is None
-    md = r.markdown()
-    assert "| PP2 (1F1B, 2 micro-batches) | 1 | 2 | 1 |" in md and "| speed-up over 1 process |" in md
-    assert r.command.startswith("boost-bench pp --size tiny")
-    assert (out / "pp.png").exists()
-
-
-@pytest.mark.slow
-def test_pp_bytes_per_rank(pp_tiny):
-    _out, r = pp_tiny
-    rows, boundary = r.data["rows"], r.data["boundary"]
-    d = LlamaConfig.preset("tiny").dim
-    mb = BATCH // MICRO
-    # per micro-batch one activation [mb, s, width] fp32 out, its gradient back
-    per_step = {width: 2 * MICRO * mb * SEQ * width * 4 for width in (d, d // 2)}
-    assert boundary["btp"]["shape"] == [mb, SEQ, d // 2] and boundary["btp"]["stream_shards"] == 2
-    assert boundary["megatron"]["shape"] == [mb, SEQ, d] and boundary["megatron"]["stream_shards"] == 1
-    assert boundary["btp"]["step_bytes"] == per_step[d // 2]
-    assert boundary["megatron"]["step_bytes"] == per_step[d]
-    assert boundary["btp"]["step_bytes"] * 2 == boundary["megatron"]["step_bytes"]
-    assert boundary["btp"]["of_megatron"] == 0.5
-    # PP2 without TP sends the whole stream
-    assert rows["PP2"]["comm"]["bytes"] == per_step[d] and rows["PP2"]["comm"]["count"] == 2 * MICRO
-    # DP2: every gradient of the CoLA model once, fp32
-    params = sum(p.numel() for p in Llama(LlamaConfig.preset("tiny")).parameters())
-    assert rows["DP2"]["comm"] == {"kind": "all-reduce", "count": 1, "bytes": 4 * params}
-    assert rows["TP2 btp"]["comm"]["count"] > 0 and rows["1 process"]["comm"]["bytes"] == 0
-    [target] = r.targets
-    assert target.value == 0.5 and target.met
 
 
 def test_ratios_against_the_baseline():
@@ -79,10 +22,6 @@ def test_ratios_against_the_baseline():
     assert rows["TP2 btp"]["speedup"] == 1.6 and rows["TP2 btp"]["x_of_perfect"] == 1.25
     assert rows["DP2"]["x_of_perfect"] == 1.0 and rows["PP2"]["micro_batches"] == 4
     assert rows["DP2"]["micro_batches"] == 1 and rows["PP2"]["tokens_per_s"] == pytest.approx(100 / 3)
-
-
-# ----------------------------------------------------------------------------- calibrate
-
 
 @pytest.mark.slow
 def test_calibrate_quick_writes_a_loadable_measured_file(tmp_path):
@@ -108,13 +47,11 @@ def test_calibrate_quick_writes_a_loadable_measured_file(tmp_path):
     attention = {tuple(a["shape"]) for a in raw["measurements"]["attention"]}
     assert attention == {(4, 8, 64, 64), (4, 4, 64, 64), (2, 8, 64, 64), (1, 8, 64, 64)}
 
-
 def test_fit_line_recovers_intercept_and_slope():
     xs = [1.0, 10.0, 100.0, 1000.0]
     assert calibrate.fit_line(xs, [3.0 + 0.5 * x for x in xs]) == pytest.approx((3.0, 0.5))
     assert calibrate.fit_line(xs, [2.0] * 4) == pytest.approx((2.0, 0.0))  # no slope
     assert calibrate.fit_line(xs, [0.25 * x for x in xs]) == pytest.approx((0.0, 0.25), abs=1e-12)
-
 
 def test_fit_link_alpha_and_bandwidth():
     # 4 ranks: an all-reduce moves 2 (p-1)/p = 1.5 payloads; 50 us + 1.5 S / 2 GB/s
@@ -128,7 +65,6 @@ def test_fit_link_alpha_and_bandwidth():
     # no measurable latency: the fastest message's time, so the file's latency stays positive
     bare = calibrate.fit_link([{"bytes": s, "seconds": s / 2e9} for s in (4096, 65536)], 1.0)
     assert bare["latency"] == pytest.approx(4096 / 2e9) and bare["bandwidth"] == pytest.approx(2e9)
-
 
 def test_fit_gemm_recovers_the_curve():
     hw = scale.Hardware("synthetic", peak_flops=1e11, hbm_bandwidth=1, nvlink_bandwidth=1, allreduce_bus_bandwidth=1,
@@ -149,7 +85,6 @@ def test_fit_gemm_recovers_the_curve():
     flat = calibrate.fit_gemm(bound, peak_seconds=1.0, peak_n=64)
     assert flat["gemm_half_intensity"] == 0 and 0 < flat["gemm_max_efficiency"] <= 1
 
-
 def test_fit_attention_and_memory():
     # 4 b s^2 w / 2 forward, x 3.5 with the backward, at 40% of a 1e11 peak
     rows = [{"shape": [b, h, 256, 64], "seconds": 4 * b * 256**2 * h * 64 / 2 * 3.5 / (0.4 * 1e11)} for b, h in ((4, 4), (1, 8))]
@@ -157,7 +92,6 @@ def test_fit_attention_and_memory():
     ops = [{"op": "a", "bytes": 3e6, "seconds": 1e-4}, {"op": "b", "bytes": 1e6, "seconds": 1e-4}]  # 20 GB/s together
     mem = calibrate.fit_memory(ops, {"bytes": 4e8, "seconds": 1e-2})  # a 40 GB/s copy
     assert mem["hbm_bandwidth"] == pytest.approx(4e10) and mem["elementwise_efficiency"] == pytest.approx(0.5)
-
 
 def test_report_has_the_pp_and_cpu_comparison_sections(tmp_path):
     from boost_compile.bench import report

@@ -1,8 +1,11 @@
 """Worker for the two-process tensor-parallel tests (gloo on CPU).
 
-Each rank builds the same unsharded reference model and a sharded copy, runs
-steps of AdamW on both, and compares the loss and every gathered gradient and
-parameter with the reference. Rank 0 writes the measured errors to JSON.
+Each rank builds the same unsharded reference model, its float64 copy (the truth)
+and a sharded, compiled copy, runs the same optimizer steps on the three, and
+measures the sharded run's and the reference's errors against the truth: the loss
+and the largest gathered gradient error of every step, the gathered parameters
+after the last (conftest.error_pair; the test applies conftest.assert_parity).
+Rank 0 writes the measured errors to JSON.
 """
 
 from __future__ import annotations
@@ -11,24 +14,25 @@ import contextlib
 import copy
 import functools
 import json
+import time
 import traceback
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from conftest import error_pair, fp64_copy, grads, params
 from torch.distributed.tensor.parallel import loss_parallel
 
 import boost_compile as bc
+import boost_compile.backend as boost_backend
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
 from boost_compile.explain import Explanation
 from boost_compile.models import Llama, LlamaConfig
+from boost_compile.pass_manager import AtenPass, PassReport
 
 SEQ, BATCH = 16, 2
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def build(kind: str) -> tuple[torch.nn.Module, Any]:
@@ -64,13 +68,47 @@ def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+class DropOneAllReduce(AtenPass):
+    """A planted bug: the first all-reduce of the forward graph removed (its partial sum used as
+    if it were the total), to show that the parity rule catches it."""
+
+    name = "planted_drop_all_reduce"
+
+    def __call__(self, graph: torch.fx.Graph) -> PassReport:
+        report = PassReport(self.name)
+        if "tangents" in " ".join(n.name for n in graph.find_nodes(op="placeholder")):
+            return report  # the backward graph
+        for node in graph.nodes:
+            if node.target is torch.ops._c10d_functional.all_reduce.default:
+                (wait,) = node.users
+                wait.replace_all_uses_with(node.args[0])
+                graph.erase_node(wait)
+                graph.erase_node(node)
+                report.rewritten.append(node.name)
+                break
+        return report
+
+
+def planted(bug: str | None) -> contextlib.AbstractContextManager:
+    """The backend with a planted bug appended to its ATen passes (None: as it is)."""
+    if bug is None:
+        return contextlib.nullcontext()
+    assert bug == "drop_all_reduce", bug
+    original = boost_backend.aten_passes
+    return mock.patch.object(boost_backend, "aten_passes", lambda config: [*original(config), DropOneAllReduce(config)])
+
+
 def scenario(sc: dict[str, Any]) -> dict[str, Any]:
+    with planted(sc.get("plant")):
+        return _scenario(sc)
+
+
+def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     ref, call = build(sc["model"])
     ref_call = call
     dtype = getattr(torch, sc.get("dtype", "float32"))
     ref.to(dtype)
-    # low precision: the same (rounded) weights in fp32 are the yardstick of both runs' rounding
-    ref32 = copy.deepcopy(ref).float() if dtype != torch.float32 else None
+    truth = fp64_copy(ref)  # the same (rounded) weights in fp64
     model = copy.deepcopy(ref)
     vocab = min(256, getattr(getattr(ref, "config", None), "vocab_size", 256))
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
@@ -83,35 +121,29 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
         call = lambda m, t: m(t)  # noqa: E731
     # PyTorch's vocabulary-parallel loss for DTensor logits needs its context around forward and backward
     loss_context = loss_parallel if sc["plan"] == "vanilla" and sc.get("parallelize", {}).get("vocab_parallel") else contextlib.nullcontext
-    opt_ref, opt = (make_optimizer(sc.get("optim", "adamw"), m.parameters()) for m in (ref, model))
-    out: dict[str, Any] = {"loss": []}
+    runs = (ref, truth, model)
+    opts = [make_optimizer(sc.get("optim", "adamw"), m.parameters()) for m in runs]
+    parity: dict[str, list] = {"loss": [], "grad": []}
+    out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "parity": parity}
     for _ in range(sc.get("steps", 3)):
-        opt_ref.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss_ref = ref_call(ref, tokens)
         loss_ref.backward()
+        loss_truth = ref_call(truth, tokens)
+        loss_truth.backward()
         with loss_context():
             loss = call(compiled, tokens)
             loss.backward()
         if hasattr(loss, "full_tensor"):  # vanilla with PyTorch's loss-parallel: a DTensor loss
             loss = loss.full_tensor()
-        out["loss"].append(rel(loss.detach(), loss_ref.detach()))
-        grads = bc.gather_full_grads(model)
-        out.setdefault("missing_grads", [n for n, g in grads.items() if g is None])
-        out.setdefault("grad", []).append(
-            max(rel(grads[n], p.grad) for n, p in ref.named_parameters() if grads[n] is not None)
-        )
-        if ref32 is not None and "fp32_yardstick" not in out:
-            ref_call(ref32, tokens).backward()
-            exact = dict(ref32.named_parameters())
-            out["fp32_yardstick"] = {
-                "tp": max(rel(grads[n], exact[n].grad) for n in exact),
-                "eager": max(rel(p.grad, exact[n].grad) for n, p in ref.named_parameters()),
-            }
-        opt_ref.step()
-        opt.step()
-    full = bc.gather_full_state_dict(model)
-    out["param"] = max(rel(full[n], p.detach()) for n, p in ref.named_parameters())
+        parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
+        gathered = bc.gather_full_grads(model)
+        out.setdefault("missing_grads", [n for n, g in gathered.items() if g is None])
+        parity["grad"].append(error_pair(gathered, grads(ref), grads(truth)))
+        for opt in opts:
+            opt.step()
+    parity["param"] = error_pair(bc.gather_full_state_dict(model), params(ref), params(truth))
     out["graphs"] = len(rec.graphs)
     explained = str(Explanation(config, rec.graphs)).splitlines()
     out["explain_check"] = [line for line in explained if "sharding-consistency check" in line]
@@ -121,6 +153,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
         out["check"] = {"parallelize": report.check.details, "compile": [r.details for r in localize],
                         "repairs": report.check.rewritten}
     out["overlap"] = [r.details for g in rec.graphs for r in g.aten_reports if r.name == "tp_overlap"]
+    out["planted"] = [n for g in rec.graphs for r in g.aten_reports if r.name == DropOneAllReduce.name for n in r.rewritten]
     census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
     out["collectives"] = {
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
@@ -185,6 +218,7 @@ def bad_inputs() -> dict[str, str]:
 
 
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch._dynamo.config.cache_size_limit = 64
     results: dict[str, Any] = {}
@@ -193,7 +227,9 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
         try:
             # the pass reports come from the compile itself: a compile-cache hit would skip them
             with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+                start = time.perf_counter()
                 results[key] = bad_inputs() if sc.get("bad_inputs") else scenario(sc)
+                results[key]["seconds"] = round(time.perf_counter() - start, 2)  # what the fixture spends
         except Exception:  # noqa: BLE001 - reported to the test
             results[key] = {"error": traceback.format_exc()}
         torch._dynamo.reset()

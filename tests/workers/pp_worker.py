@@ -20,6 +20,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from conftest import error_pair, fp64_copy, grads, params, upcast  # noqa: E402
 from scenario_runner import run_scenarios  # noqa: E402
 
 from boost_compile.distributed.pipeline import build_schedule, pipeline_step, split_model  # noqa: E402
@@ -28,12 +29,8 @@ from boost_compile.models import Llama, LlamaConfig  # noqa: E402
 SEQ, BATCH, LR = 16, 4, 0.1
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
 
 
 def build(kind: str) -> tuple[torch.nn.Module, Any]:
@@ -61,6 +58,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     rank, pp = dist.get_rank(), dist.get_world_size()
     torch._dynamo.utils.counters.clear()
     ref, logits_of = build(sc["model"])
+    truth = fp64_copy(ref)
     num_stages = pp * sc.get("virtual", 1)
     indices = list(range(rank, num_stages, pp))  # stage i on rank i % pp
     stages = [split_model(ref, i, num_stages) for i in indices]
@@ -70,28 +68,39 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     targets = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     schedule = build_schedule(runs, indices, num_stages, dist.group.WORLD, n_mb, sc["schedule"], loss_fn,
                               tokens[: BATCH // n_mb], batch_size=BATCH)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
-    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=LR)
-    ref_params = dict(ref.named_parameters())
-    out: dict[str, Any] = {"loss": [], "losses": [], "grad": [], "stages": indices,
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (ref, truth)]
+    opts.append(torch.optim.SGD([p for s in stages for p in s.parameters()], lr=LR))
+    parity: dict[str, list] = {"loss": [], "grad": []}
+    out: dict[str, Any] = {"parity": parity, "losses": [], "stages": indices,
                            "layers": [list(s.layer_range) for s in stages]}
+
+    def mine(values: dict[str, Any]) -> dict[str, Any]:
+        """The entries of the parameters this rank's stages hold."""
+        names = {n for s in stages for n, _ in s.named_parameters()}
+        return {n: v for n, v in values.items() if n in names}
+
     for _ in range(sc.get("steps", 5)):
-        opt_ref.zero_grad(set_to_none=True)
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         loss_ref = loss_fn(logits_of(ref, tokens), targets)
         loss_ref.backward()
+        loss_truth = loss_fn(logits_of(truth, tokens), targets)
+        loss_truth.backward()
         loss = pipeline_step(schedule, tokens, targets)
         if loss is not None:
-            out["loss"].append(rel(loss, loss_ref.detach()))
+            parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
             out["losses"].append(loss.item())
-        grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
-        out.setdefault("missing_grads", sorted(n for n, g in grads.items() if g is None))
-        out.setdefault("names", sorted(grads))
-        out["grad"].append(max(rel(g, ref_params[n].grad) for n, g in grads.items() if g is not None))
-        opt_ref.step()
-        opt.step()
-    out["param"] = max(rel(p, ref_params[n]) for s in stages for n, p in s.named_parameters())
-    out["ref_names"] = sorted(ref_params)
+        held = {n: p.grad for s in stages for n, p in s.named_parameters()}
+        out.setdefault("missing_grads", sorted(n for n, g in held.items() if g is None))
+        out.setdefault("names", sorted(held))
+        parity["grad"].append(error_pair(held, mine(grads(ref)), mine(grads(truth))))
+        for opt in opts:
+            opt.step()
+    parity["param"] = error_pair({n: p.detach() for s in stages for n, p in s.named_parameters()},
+                                 mine(params(ref)), mine(params(truth)))
+    if not parity["loss"]:
+        del parity["loss"]  # only the last stage's rank sees the loss
+    out["ref_names"] = sorted(dict(ref.named_parameters()))
     out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # Dynamo graphs compiled here
     return out
 

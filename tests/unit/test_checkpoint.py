@@ -1,7 +1,7 @@
 """Activation checkpointing (passes/checkpoint.py): parity, what is saved, collectives, reports.
 
-Parity: with each mode, the loss and every parameter gradient equal those of
-checkpoint="none" (same inner compiler), fp32 norm-wise relative 1e-5. Most cases
+Parity: with each mode (and with "none"), the loss and every parameter gradient follow the
+suite's parity rule against the model's eager and float64 runs (conftest.assert_parity). Most cases
 run with aot_eager (seconds); Inductor runs the three modes on one layer of the
 tiny CoLA model (marked slow like the suite's other Inductor compiles).
 
@@ -24,7 +24,8 @@ import torch._inductor.config as inductor_config
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_grads_close, rel_err, tiny_hf_llama
+from conftest import assert_parity as assert_parity_rule
+from conftest import fp64_copy, step_errors, tiny_hf_llama, upcast
 from torch.utils.checkpoint import CheckpointPolicy
 
 import boost_compile as bc
@@ -40,7 +41,6 @@ from boost_compile.passes.checkpoint import (
     checkpoint_partitioner,
 )
 
-RTOL = 1e-5
 BATCH, SEQ = 2, 16
 MODELS = ("tiny", "tiny-lowrank", "tiny-dense", "hf")
 MODES = ("lowrank", "full", "budget")
@@ -66,7 +66,7 @@ def tokens() -> torch.Tensor:
 
 def loss_of(name: str, model: nn.Module, t: torch.Tensor) -> torch.Tensor:
     if name == "hf":
-        return model(t).logits.float().logsumexp(-1).mean()
+        return upcast(model(t).logits).logsumexp(-1).mean()
     return model(t, t)
 
 
@@ -112,10 +112,22 @@ def no_caches():
         yield
 
 
-def assert_parity(ref: Run, got: Run) -> None:
-    assert torch.isfinite(ref.loss)
-    assert rel_err(got.loss, ref.loss) <= RTOL, (got.loss.item(), ref.loss.item())
-    assert_grads_close(ref.model, got.model, RTOL)
+_EAGER: dict[str, tuple[tuple[torch.Tensor, nn.Module], tuple[torch.Tensor, nn.Module]]] = {}
+
+
+def assert_parity(got: Run, name: str) -> None:
+    """The parity rule for ``got``, a compiled run of model ``name``, against its eager and fp64 runs."""
+    if name not in _EAGER:
+        model = build(name)
+        runs = []
+        for m in (fp64_copy(model), model):
+            loss = loss_of(name, m, tokens())
+            loss.backward()
+            runs.append((loss.detach(), m))
+        _EAGER[name] = (runs[1], runs[0])
+    eager, truth = _EAGER[name]
+    assert torch.isfinite(eager[0])
+    assert_parity_rule(step_errors((got.loss, got.model), eager, truth), what=name)
 
 
 def per_block(run_: Run) -> dict[str, list[dict]]:
@@ -173,14 +185,13 @@ def test_partitioner_uuid_follows_mode_and_budget():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", MODELS)
 def test_parity_aot_eager(name, mode):
-    assert_parity(run(name, "none"), run(name, mode))
+    assert_parity(run(name, mode), name)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_parity_inductor(mode):
-    # reference: "none" under aot_eager (the same function; saves an Inductor compile)
-    assert_parity(run("tiny-1", "none"), run("tiny-1", mode, "inductor"))
+    assert_parity(run("tiny-1", mode, "inductor"), "tiny-1")
     if mode == "lowrank":  # the same tensors as under aot_eager (Inductor may keep the 2-D GEMM output)
         def kept(r: Run) -> list:
             return sorted((s["block"], s["role"], s["bytes"]) for s in r.saved.details["saved"] if s["role"] != "partitioner")
@@ -191,7 +202,7 @@ def test_parity_inductor(mode):
 def test_parity_with_the_fused_norm_op():
     """boost::rms_norm (the rmsnorm pass, here on CPU) is recomputed like any other op."""
     got = run("tiny", "lowrank", rmsnorm={"devices": ["cpu"]})
-    assert_parity(run("tiny", "none"), got)
+    assert_parity(got, "tiny")
     assert got.saved.details["recomputed"]["layers.0"]["boost.rms_norm"] == 2
 
 
@@ -369,7 +380,7 @@ class _TPModel(nn.Module):
         h = self.emb(t)
         for layer in self.layers:
             h = layer(h)
-        return self.head(h).float().logsumexp(-1).mean()
+        return upcast(self.head(h)).logsumexp(-1).mean()
 
 
 @pytest.fixture(scope="module")
@@ -390,15 +401,25 @@ def _collectives(graph: GraphRecord, kind: str) -> int:
     return sum(v for k, v in census.details["op_counts"].items() if k.startswith("_c10d_functional."))
 
 
-def _tp_run(mode: str) -> tuple[torch.Tensor, nn.Module, GraphRecord]:
+_TP_TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _tp_run(mode: str | None) -> tuple[torch.Tensor, nn.Module, GraphRecord | None]:
+    """One forward and backward of _TPModel compiled with ``checkpoint=mode``; None: eagerly,
+    "fp64": eagerly in float64."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, rec = _TPModel(), Recorder(keep_view=False)
-    config = BoostConfig(inner="aot_eager", checkpoint=mode)
-    compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec), fullgraph=True)
-    loss = compiled(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)))
+    if mode == "fp64":
+        model = model.double()
+    if mode in (None, "fp64"):
+        compiled = model
+    else:
+        config = BoostConfig(inner="aot_eager", checkpoint=mode)
+        compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec), fullgraph=True)
+    loss = compiled(_TP_TOKENS)
     loss.backward()
-    return loss.detach(), model, rec.graphs[0]
+    return loss.detach(), model, rec.graphs[0] if rec.graphs else None
 
 
 def test_backward_issues_the_same_collectives(one_rank_group):
@@ -408,12 +429,13 @@ def test_backward_issues_the_same_collectives(one_rank_group):
     the same (4 all_reduce+wait in forward, 2 in backward from the column-parallel
     inputs). Under tensor parallelism the same check compares real collectives.
     """
+    eager, truth = _tp_run(None)[:2], _tp_run("fp64")[:2]
     ref_loss, ref_model, ref = _tp_run("none")
+    assert_parity_rule(step_errors((ref_loss, ref_model), eager, truth), what="none")
     assert _collectives(ref, "forward") == 8 and _collectives(ref, "backward") == 4
     for mode in ("lowrank", "full"):
         loss, model, got = _tp_run(mode)
-        assert rel_err(loss, ref_loss) <= RTOL
-        assert_grads_close(ref_model, model, RTOL)
+        assert_parity_rule(step_errors((loss, model), eager, truth), what=mode)
         for kind in ("forward", "backward"):
             assert _collectives(got, kind) == _collectives(ref, kind), (mode, kind)
         (report,) = got.partition_reports

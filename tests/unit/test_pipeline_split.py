@@ -1,14 +1,6 @@
-"""Pipeline parallelism on torch.distributed.pipelining, over two gloo processes on CPU.
-
-Each distributed scenario cuts one seeded model into stages (``split_model``),
-compiles every stage with ``backend="boost"`` (inner ``aot_eager``), runs 5 SGD
-steps (lr 0.1) through a PyTorch schedule and compares with the whole model
-stepped in one process on the same batch: every step's loss (the mean of the
-micro-batch losses) and every gradient of the first step within 1e-5,
-norm-wise relative, each gradient against the reference's of the same FQN.
-The cut, the refusals and the schedule checks that need no process group run in
-this process.
-"""
+"""Pipeline stages in one process: the cut (stage_layers, split_model, Hugging Face families),
+compiling a stage with backend="boost", and the refusals of models and schedules that cannot
+be pipelined. The multi-process schedules are in tests/distributed/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -18,62 +10,12 @@ import torch
 from boost_compile.distributed.pipeline import PipelineError, model_costs, split_model, stage_layers
 from boost_compile.models import Llama, LlamaConfig
 
-RTOL = 1e-5
-
-SCENARIOS = [
-    {"name": "1f1b", "model": "tiny", "schedule": "1f1b", "microbatches": 2, "compile": "wrap"},
-    {"name": "gpipe", "model": "tiny", "schedule": "gpipe", "microbatches": 4, "compile": "inplace"},
-    {"name": "interleaved_1f1b", "model": "tiny:4", "schedule": "interleaved_1f1b", "virtual": 2,
-     "microbatches": 2, "compile": "wrap"},
-    {"name": "hf-1f1b", "model": "hf", "schedule": "1f1b", "microbatches": 2, "compile": "wrap"},
-    {"name": "zero_bubble-eager", "model": "tiny:4", "schedule": "zero_bubble", "virtual": 2,
-     "microbatches": 2, "compile": "eager", "steps": 2},
-]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    from pp_worker import worker
-    from scenario_runner import spawn_scenarios
-
-    return spawn_scenarios(worker, 2, SCENARIOS, tmp_path_factory.mktemp("pp"))
-
-
-@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS])
-def test_matches_single_process(results, name):
-    sc = next(s for s in SCENARIOS if s["name"] == name)
-    per_rank = [r[name] for r in results]
-    for r in per_rank:
-        assert "error" not in r, r.get("error")
-        assert r["missing_grads"] == []
-        # one graph per local stage when compiled with backend="boost" (no recompiles across steps)
-        assert r["graphs"] == (0 if sc["compile"] == "eager" else len(r["stages"])), r["graphs"]
-        assert r["grad"][0] <= RTOL, r["grad"]
-    # the stages' parameters together are the reference's, each held once
-    names = [n for r in per_rank for n in r["names"]]
-    assert sorted(names) == per_rank[0]["ref_names"]
-    (last,) = [r for r in per_rank if r["loss"]]  # only the last stage's rank sees the loss
-    steps = sc.get("steps", 5)
-    assert len(last["loss"]) == steps
-    assert max(last["loss"]) <= RTOL, last["loss"]
-    assert last["losses"][-1] < last["losses"][0]  # it trains
-
-
-def test_interleaved_layout(results):
-    # 4 stages on 2 ranks: stage i on rank i % 2, one block each
-    assert [r["interleaved_1f1b"]["stages"] for r in results] == [[0, 2], [1, 3]]
-    assert [r["interleaved_1f1b"]["layers"] for r in results] == [[[0], [2]], [[1], [3]]]
-
-
-# ----------------------------------------------------------------------------- in-process
-
 
 def test_stage_layers_even_and_explicit():
     assert stage_layers(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
     assert stage_layers(6, 3, layers_per_stage=[1, 3, 2]) == [range(0, 1), range(1, 4), range(4, 6)]
     assert stage_layers(3, 1) == [range(0, 3)]
-
 
 def test_stage_layers_balances_embedding_and_head():
     # embedding and head worth 2 blocks each: the end stages take fewer blocks
@@ -82,7 +24,6 @@ def test_stage_layers_balances_embedding_and_head():
     assert stage_layers(6, 2, costs=[0, *[1] * 6, 4]) == [range(0, 5), range(5, 6)]
     # uneven blocks: the split follows their cost
     assert stage_layers(4, 2, costs=[0, 3, 1, 1, 1, 0]) == [range(0, 1), range(1, 4)]
-
 
 def test_model_costs_counts_parameters():
     model = Llama(LlamaConfig.preset("tiny-dense", n_layers=4, vocab_size=1024))
@@ -93,7 +34,6 @@ def test_model_costs_counts_parameters():
     assert costs[-1] == pytest.approx((1024 * 64 + 64) / block)
     # a vocabulary bigger than a block: the end stages get a block each, the middle two
     assert stage_layers(4, 3, costs=costs) == [range(0, 1), range(1, 3), range(3, 4)]
-
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"n_layers": 2, "pp_stages": 3}, "3 pipeline stages for 2 blocks"),
@@ -106,7 +46,6 @@ def test_model_costs_counts_parameters():
 def test_stage_layers_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         stage_layers(**kwargs)
-
 
 def test_split_keeps_names_and_matches_the_model():
     torch.manual_seed(0)
@@ -124,6 +63,8 @@ def test_split_keeps_names_and_matches_the_model():
     assert stages[0].tok_embeddings.weight is not model.tok_embeddings.weight  # a copy
 
 
+
+
 def test_split_hf_matches_the_model():
     from conftest import tiny_hf_llama
 
@@ -133,7 +74,6 @@ def test_split_hf_matches_the_model():
     assert "model.embed_tokens.weight" in dict(first.named_parameters())
     assert {"lm_head.weight", "model.norm.weight", "model.layers.1.mlp.up_proj.weight"} <= dict(last.named_parameters()).keys()
     torch.testing.assert_close(last(first(tokens)), model(input_ids=tokens).logits, rtol=0, atol=0)
-
 
 def _hf_family(kind: str):
     transformers = pytest.importorskip("transformers")
@@ -154,7 +94,6 @@ def _hf_family(kind: str):
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(configs[kind](), attn_implementation="sdpa")
 
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen2-sliding", "qwen3", "mistral-window", "gemma", "phi3-window", "olmo2"])
 def test_split_hf_families_match_the_model(kind):
     """Each supported family cut into two stages gives the whole model's logits, bit for bit: the
@@ -164,7 +103,6 @@ def test_split_hf_families_match_the_model(kind):
     first, last = (split_model(model, i, 2) for i in range(2))
     torch.testing.assert_close(last(first(tokens)), model(input_ids=tokens).logits, rtol=0, atol=0)
 
-
 def test_split_refuses_unchecked_hf_families():
     transformers = pytest.importorskip("transformers")
     config = transformers.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -173,7 +111,6 @@ def test_split_refuses_unchecked_hf_families():
     model = transformers.Gemma2ForCausalLM(config)
     with pytest.raises(PipelineError, match=r"does not support Gemma2ForCausalLM \(model_type 'gemma2'\).*soft-capping"):
         split_model(model, 0, 2)
-
 
 def test_stage_compiles_with_boost():
     torch.manual_seed(0)
@@ -189,14 +126,12 @@ def test_stage_compiles_with_boost():
     out.sum().backward()
     assert x.grad is not None and all(p.grad is not None for p in stage.parameters())
 
-
 def test_refuses_tied_head_across_stages():
     model = Llama(LlamaConfig.preset("tiny", tie_embeddings=True))
     with pytest.raises(PipelineError, match="tied to its embedding"):
         split_model(model, 0, 2)
     one = split_model(model, 0, 1)  # one stage: the tie is kept
     assert one.output.weight is one.tok_embeddings.weight
-
 
 def test_refuses_unknown_models():
     with pytest.raises(PipelineError, match="no attribute 'model'"):
@@ -216,7 +151,6 @@ def test_refuses_unknown_models():
         split_model(Llama(LlamaConfig.preset("tiny")), 2, 2)
     with pytest.raises(PipelineError, match="3 pipeline stages for 2 blocks"):
         split_model(Llama(LlamaConfig.preset("tiny")), 0, 3)
-
 
 def test_schedule_refusals(tmp_path):
     """The checks of build_schedule, on a one-process gloo group."""
@@ -258,7 +192,6 @@ def test_schedule_refusals(tmp_path):
             pipeline_step(schedule, tokens[:1].expand(3, -1), tokens[:1].expand(3, -1))
     finally:
         dist.destroy_process_group()
-
 
 def test_stream_dtype_follows_a_cast():
     """PipelineStage is told the stream's dtype: a stage cast to bf16 sends and receives bf16."""

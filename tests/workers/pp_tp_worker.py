@@ -1,7 +1,9 @@
 """Worker for pipelines on four gloo processes, a 2 x 2 mesh ("pp", "x"): PP x TP, where each
 stage is parallelized over its pair with btp (the stream between stages d-sharded) or megatron,
 and PP x DP, where each pair splits the batch and averages the stage gradients. Every stage is
-compiled with backend="boost"."""
+compiled with backend="boost". The whole model runs beside them in one process, eagerly in fp32
+and in fp64 (the truth): each rank measures its stages' gathered gradients, the reference's and,
+on the last stage, the losses against the truth (conftest.error_pair)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import error_pair, fp64_copy, grads, upcast
 from scenario_runner import run_scenarios
 
 import boost_compile as bc
@@ -28,12 +31,8 @@ from boost_compile.models import Llama, LlamaConfig
 SEQ, BATCH, MICRO = 16, 4, 2
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(upcast(logits.flatten(0, 1)), targets.flatten())
 
 
 def average_grads(modules: list[torch.nn.Module], group: Any) -> None:
@@ -57,20 +56,21 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
         ref = tiny_hf_llama()
         dim = ref.config.hidden_size
 
-        def ref_loss(t: torch.Tensor) -> torch.Tensor:
-            return loss_fn(ref(input_ids=t).logits, t)
+        def ref_loss(m: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+            return loss_fn(m(input_ids=t).logits, t)
     else:
         torch.manual_seed(0)
         ref = Llama(LlamaConfig.preset(sc["preset"], n_kv_heads=4, n_layers=4))
         dim = ref.config.dim
 
-        def ref_loss(t: torch.Tensor) -> torch.Tensor:
-            return ref(t, t)
+        def ref_loss(m: torch.nn.Module, t: torch.Tensor) -> torch.Tensor:
+            return m(t, t)
+    truth = fp64_copy(ref)
     stages = [split_model(ref, i, num_stages) for i in indices]
     tokens = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     local = tokens.chunk(pair.size())[pair.get_local_rank()] if mode == "dp" else tokens
     mb = local.shape[0] // MICRO
-    out: dict[str, Any] = {"loss": [], "grad": []}
+    out: dict[str, Any] = {}
     if mode == "tp":
         for i, stage in zip(indices, stages, strict=True):
             example = local[:mb] if i == 0 else torch.randn(mb, SEQ, dim)
@@ -104,14 +104,16 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
             loss = vocab_parallel_loss(compiled[indices.index(num_stages - 1)])
     schedule = build_schedule(compiled, indices, num_stages, mesh["pp"].get_group(), MICRO, sc["schedule"], loss,
                               example_microbatch=local[:mb])
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opts = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, truth, *stages)]
+    parity: dict[str, list] = {"loss": [], "grad": []}
+    out["parity"] = parity
     for _ in range(sc.get("steps", 5)):
-        opt_ref.zero_grad(set_to_none=True)
         for opt in opts:
             opt.zero_grad(set_to_none=True)
-        loss_ref = ref_loss(tokens)
+        loss_ref = ref_loss(ref, tokens)
         loss_ref.backward()
+        loss_truth = ref_loss(truth, tokens)
+        loss_truth.backward()
         loss = pipeline_step(schedule, local, local)
         if mode == "dp":
             average_grads(stages, pair.get_group())
@@ -119,14 +121,16 @@ def scenario(sc: dict[str, Any], mesh: Any) -> dict[str, Any]:
                 dist.all_reduce(loss, group=pair.get_group())
                 loss /= pair.size()
         if loss is not None:
-            out["loss"].append(rel(loss, loss_ref.detach()))
-        grads = {n: g for s in stages for n, g in bc.gather_full_grads(s).items()}
-        reference = dict(ref.named_parameters())
-        out["grad"].append(max(rel(g, reference[n].grad) for n, g in grads.items() if g is not None))
-        out.setdefault("missing_grads", [n for n, g in grads.items() if g is None])
-        opt_ref.step()
+            parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
+        gathered = {n: g for s in stages for n, g in bc.gather_full_grads(s).items()}
+        held = set(gathered)
+        parity["grad"].append(error_pair(gathered, {n: g for n, g in grads(ref).items() if n in held},
+                                         {n: g for n, g in grads(truth).items() if n in held}))
+        out.setdefault("missing_grads", [n for n, g in gathered.items() if g is None])
         for opt in opts:
             opt.step()
+    if not parity["loss"]:
+        del parity["loss"]  # only the last stage's ranks see the loss
     census = [r for g in rec.graphs for r in g.aten_reports if r.name == "collective_census"]
     out["collectives"] = {k: [c for r in census if r.details["graph"] == k for c in r.details["collectives"]]
                           for k in ("forward", "backward")}

@@ -24,7 +24,6 @@ def test_target_direction_and_bound():
     assert not Target("x", 0.91, 0.9, False).met
     assert "**not met**" in Target("x", 0.91, 0.9, False).line()
 
-
 def test_result_round_trips_through_json(tmp_path):
     r = Result("demo", "Demo", "| a |\n|---|\n| 1 |", {"rows": [1, 2]}, [Target("t", 2.0, 1.0, True)], notes="n")
     paths = save(r, str(tmp_path), None)
@@ -33,12 +32,10 @@ def test_result_round_trips_through_json(tmp_path):
     assert back == r
     assert load(str(tmp_path), "missing") is None
 
-
 def _fake(name: str, value: float) -> Result:
     r = Result(name, f"Title {name}", f"table of {name}", {}, [Target(f"{name} ratio", value, 1.0, True)])
     r.command, r.commit, r.machine, r.date, r.seconds = f"boost-bench {name}", "abc123", "here", "today", 1.0
     return r
-
 
 def test_report_replaces_only_the_generated_block(tmp_path):
     results = tmp_path / "results"
@@ -61,7 +58,6 @@ def test_report_replaces_only_the_generated_block(tmp_path):
     report.write(str(results), str(path))
     assert path.read_text() == text
 
-
 def test_report_without_markers_appends_a_block(tmp_path):
     path = tmp_path / "R.md"
     path.write_text("# Hand-written\n")
@@ -70,11 +66,9 @@ def test_report_without_markers_appends_a_block(tmp_path):
     assert text.startswith("# Hand-written\n\n" + report.BEGIN)
     assert "No results" in text
 
-
 def test_tp_analytic_prints_the_table(capsys):
     assert cli.main(["tp-analytic"]) == 0
     assert "| 7B | 4 |" in capsys.readouterr().out
-
 
 def test_scale_writes_json_png_and_targets(tmp_path):
     cli.main(["scale", "--out", str(tmp_path)])
@@ -88,7 +82,6 @@ def test_scale_writes_json_png_and_targets(tmp_path):
         model = t.what.split()[0]
         key = "vs_full" if "vs full" in t.what else "vs_vanilla"
         assert t.value == pytest.approx(abs(rows[model]["speedup_error"][key]))
-
 
 @pytest.mark.slow
 def test_single_on_tiny(tmp_path):
@@ -108,7 +101,6 @@ def test_single_on_tiny(tmp_path):
     assert r.data["gemms_per_block"] == [14, 11]
     assert (tmp_path / "single.png").exists()
 
-
 @pytest.mark.slow
 def test_memory_on_tiny(tmp_path):
     cli.main(["memory", "--size", "tiny", "--seq", "16", "--batch", "1", "--repeats", "1", "--warmup", "0",
@@ -120,79 +112,8 @@ def test_memory_on_tiny(tmp_path):
     assert r.targets == []  # the targets are for the 60m shapes only
     json.loads((tmp_path / "memory.json").read_text())
 
-
-@pytest.fixture(scope="module")
-def tp_tiny(tmp_path_factory):
-    """One ``boost-bench tp --profile`` run at tiny size, shared by the tests that read it."""
-    out = tmp_path_factory.mktemp("tp")
-    cli.main(["tp", "--size", "tiny", "--seq", "16", "--repeats", "1", "--warmup", "0", "--inner", "aot_eager",
-              "--profile", "--out", str(out)])
-    return out, load(str(out), "tp")
-
-
-@pytest.mark.slow
-def test_tp_on_tiny(tp_tiny):
-    tmp_path, r = tp_tiny
-    v = r.data["variants"]
-    btp, dense, vanilla = v["CoLA, btp"], v["dense, megatron"], v["CoLA, vanilla (DTensor)"]
-    n = btp["layers"]
-    # btp: one all-reduce per norm+group and per o/down, both ways, plus the gather before the final
-    # norm; the vocabulary-parallel loss's two [T]-row all-reduces forward, the head's input
-    # gradient backward
-    assert btp["collectives"] == {"forward": 4 * n + 1 + 2, "backward": 4 * n + 1}
-    # megatron: after attention and after the MLP, both ways, plus the same head and loss
-    assert dense["collectives"] == {"forward": 2 * n + 2, "backward": 2 * n + 1}
-    total = {k: x["bytes"]["forward"] + x["bytes"]["backward"] for k, x in v.items()}
-    assert dense["btp_bytes_ratio"] == pytest.approx(total["CoLA, btp"] / total["dense, megatron"])
-    assert vanilla["btp_speedup"] == pytest.approx(vanilla["step_s"] / btp["step_s"])
-    assert (tmp_path / "tp.png").exists()
-
-
-@pytest.mark.slow
-def test_tp_scaling_against_one_process(tp_tiny):
-    _out, r = tp_tiny
-    v, single, s = r.data["variants"], r.data["single"], r.data["scaling"]
-    assert list(single) == ["dense, 1 process", "CoLA, 1 process"]
-    dense1, cola1 = single["dense, 1 process"]["step_s"], single["CoLA, 1 process"]["step_s"]
-    # each TP variant against half the 1-process step of its own family
-    for label, base in (("dense, megatron", dense1), ("CoLA, vanilla (DTensor)", cola1), ("CoLA, btp", cola1)):
-        assert v[label]["single_s"] == base
-        assert v[label]["perfect_s"] == pytest.approx(base / 2)
-        assert v[label]["x_of_perfect"] == pytest.approx(v[label]["step_s"] / (base / 2))
-    btp, megatron, vanilla = (v[k]["step_s"] for k in ("CoLA, btp", "dense, megatron", "CoLA, vanilla (DTensor)"))
-    assert s["single_cola_over_dense"] == pytest.approx(cola1 / dense1)
-    assert s["single_dense_over_cola"] == pytest.approx(dense1 / cola1)
-    assert s["btp_speedup_over_megatron"] == pytest.approx(megatron / btp)
-    assert s["btp_speedup_over_megatron_per_single_ratio"] == pytest.approx((megatron / btp) / (dense1 / cola1))
-    assert s["btp_speedup_over_vanilla"] == pytest.approx(vanilla / btp)
-    assert s["btp_x_of_perfect"] == v["CoLA, btp"]["x_of_perfect"]
-    assert r.targets == []  # the targets are for 60m at seq 1024 only
-    md = r.markdown()
-    assert "vocab 256 (--vocab 256)" in md
-    assert "| x of perfect scaling |" in md and "| dense, 1 process |" in md and "| CoLA, 1 process |" in md
-    assert "btp speed-up over dense megatron / 1-process dense:CoLA ratio" in md
-
-
-@pytest.mark.slow
-def test_tp_profile_categories(tp_tiny):
-    _out, r = tp_tiny
-    prof = r.data["profile"]
-    assert list(prof) == ["dense, megatron", "CoLA, vanilla (DTensor)", "CoLA, btp"]
-    for label, p in prof.items():
-        assert list(p["ms"]) == list(profile.CATEGORIES)
-        assert p["total_ms"] == pytest.approx(sum(p["ms"].values()))
-        for c, ms in p["ms"].items():
-            assert p["percent"][c] == pytest.approx(100 * ms / p["step_ms"])
-        # every variant does GEMMs, attention, waits on collectives and has a head (found by its shapes)
-        for c in (profile.GEMMS, profile.ATTENTION, profile.COLLECTIVES, profile.HEAD):
-            assert p["ms"][c] > 0, (label, c)
-        assert f"| {label} | " in r.markdown()
-    assert "| variant | GEMMs | attention | norms+elementwise | collectives waited on | head+loss | other |" in r.markdown()
-
-
 def _ev(name: str, us: float, shapes: list | None = None) -> SimpleNamespace:
     return SimpleNamespace(name=name, self_cpu_time_total=us, input_shapes=shapes or [])
-
 
 def test_categorize_self_time_by_category():
     tokens, dim, vocab = 32, 64, 128
@@ -236,7 +157,6 @@ def test_categorize_self_time_by_category():
     assert profile.categorize(events, vocab) == pytest.approx(ms)
     assert profile.categorize([], vocab) == dict.fromkeys(profile.CATEGORIES, 0.0)
 
-
 def test_head_gemm_needs_the_heads_shape_when_tokens_equal_the_vocab():
     # 128 tokens per step and a 128-wide vocabulary shard: a [T, d] x [d, d] GEMM has 128 in its shapes
     block = _ev("aten::mm", 100.0, [[128, 64], [64, 64], [128, 64]])
@@ -244,7 +164,6 @@ def test_head_gemm_needs_the_heads_shape_when_tokens_equal_the_vocab():
     exact = profile.categorize([block, head], vocab=128, dim=64, tokens=128)
     assert exact[profile.GEMMS] == pytest.approx(0.1) and exact[profile.HEAD] == pytest.approx(0.1)
     assert profile.categorize([block, head], vocab=128)[profile.HEAD] == pytest.approx(0.2)
-
 
 def test_tp_targets_for_60m_at_seq_1024_at_any_vocab():
     def variant(step_s: float, total_bytes: int) -> dict:
