@@ -40,7 +40,6 @@ from torch import nn  # noqa: E402
 torch.set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 # the worker code that spawned processes run, and the models written in other styles
 for _folder in ("workers", "models"):
     if str(TESTS / _folder) not in sys.path:
@@ -113,17 +112,6 @@ def fp64_copy(model: nn.Module) -> nn.Module:
     import copy
 
     return copy.deepcopy(model).double()
-
-
-def to_fp64(inputs: Any) -> Any:
-    """Floating tensors in ``inputs`` (nested tuples/lists/dicts) as fp64, the rest unchanged."""
-    if isinstance(inputs, torch.Tensor):
-        return inputs.double() if inputs.is_floating_point() else inputs
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(to_fp64(x) for x in inputs)
-    if isinstance(inputs, dict):
-        return {k: to_fp64(v) for k, v in inputs.items()}
-    return inputs
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
@@ -214,6 +202,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.write_line(f"{len(rows)} checks passed")
     if os.environ.get("BOOST_PARITY_REPORT"):
         Path(os.environ["BOOST_PARITY_REPORT"]).write_text(json.dumps(rows, indent=1))
+
+
+def check_recorded_compile(model: nn.Module, compile_recorded: Any, loss_fn: Any, inputs: Any = ()) -> Any:
+    """``check_against_eager`` for ``compile_recorded(copy) -> (compiled, Recorder)`` with
+    ``loss_fn(model(*inputs))``; the one graph the recorder kept (fullgraph: no break)."""
+    recorders = []
+
+    def compile_fn(test_model: nn.Module) -> Any:
+        compiled, recorder = compile_recorded(test_model)
+        recorders.append(recorder)
+        return compiled
+
+    check_against_eager(model, compile_fn, lambda m, x: loss_fn(m(*x)), inputs)
+    (graph,) = recorders[0].graphs
+    return graph
 
 
 class ParityError(AssertionError):

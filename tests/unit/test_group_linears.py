@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import check_against_eager, tiny_hf_llama, upcast
+from conftest import check_recorded_compile, tiny_hf_llama, upcast
 
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
@@ -42,16 +42,7 @@ def gemm_count(op_counts: dict[str, int]) -> int:
 def check_parity(model: nn.Module, inputs, inner: str = "aot_eager", loss_fn=None, **options):
     """The parity rule (conftest) for the compiled model; its one graph's record."""
     loss_fn = loss_fn or (lambda out: upcast(out).pow(2).mean() if isinstance(out, torch.Tensor) else sum(upcast(o).pow(2).mean() for o in out))
-    recs = []
-
-    def compile_fn(test_model):
-        compiled, rec = compile_recorded(test_model, inner, **options)
-        recs.append(rec)
-        return compiled
-
-    check_against_eager(model, compile_fn, lambda m, x: loss_fn(m(*x)), inputs)
-    (graph,) = recs[0].graphs
-    return graph
+    return check_recorded_compile(model, lambda m: compile_recorded(m, inner, **options), loss_fn, inputs)
 
 
 @pytest.mark.parametrize(

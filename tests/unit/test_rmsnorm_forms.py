@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import check_against_eager, upcast
+from conftest import check_against_eager, check_recorded_compile, upcast
 
 from boost_compile.analysis import capture_views
 from boost_compile.backend import Recorder, compile_graph
@@ -361,15 +361,8 @@ def check_parity(model: nn.Module, compile_fn, x: torch.Tensor):
 def test_form_is_rewritten_with_parity(name, dtype):
     _, form, offset, _ = FORMS[name]
     model = make_block(name, dtype)
-    recs = []
-
-    def compile_fn(test_model):
-        compiled, rec = compile_recorded(test_model)
-        recs.append(rec)
-        return compiled
-
-    check_parity(model, compile_fn, torch.randn(2, 3, D, dtype=dtype))
-    (graph,) = recs[0].graphs
+    x = torch.randn(2, 3, D, dtype=dtype).requires_grad_()
+    graph = check_recorded_compile(model, compile_recorded, lambda y: upcast(y).pow(2).mean(), (x,))
     (report,) = [r for r in graph.reports if r.name == "rmsnorm"]
     assert report.found == report.rewritten == ["norm"] and not report.skipped
     assert report.details["norm"]["form"] == form and report.details["norm"]["offset"] == offset

@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
-from conftest import check_against_eager, tiny_hf_llama, upcast
+from conftest import check_recorded_compile, tiny_hf_llama, upcast
 
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
@@ -31,16 +31,8 @@ def compile_recorded(model, inner="aot_eager", **options):
 
 def run_both(model, inputs, loss_fn, inner="aot_eager", **options):
     """The parity rule (conftest) for the compiled model; its one graph's record."""
-    recs = []
-
-    def compile_fn(test_model):
-        compiled, rec = compile_recorded(test_model, inner, **options)
-        recs.append(rec)
-        return compiled
-
-    check_against_eager(model, compile_fn, lambda m, x: loss_fn(m(*x)), inputs)
-    (graph,) = recs[0].graphs  # fullgraph: one graph, no break
-    return graph
+    # fullgraph: one graph, no break
+    return check_recorded_compile(model, lambda m: compile_recorded(m, inner, **options), loss_fn, inputs)
 
 
 def norm_report(graph):
