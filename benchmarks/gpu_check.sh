@@ -22,7 +22,7 @@ cd "$ROOT"
 
 { nvidia-smi || true; $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"; } > "$OUT/machine.txt" 2>&1
 echo "== GPU tests"
-timeout 240 $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_rmsnorm_kernel.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
+timeout 240 $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/unit/test_rmsnorm_kernel.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
 echo "== RMSNorm forward+backward, bf16, 16384 rows"
 timeout 150 $PY benchmarks/bench_rmsnorm_gpu.py --json "$OUT/rmsnorm.json" 2>&1 | tee "$OUT/rmsnorm.md"
 echo "== model step, $SIZE"

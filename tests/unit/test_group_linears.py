@@ -1,7 +1,7 @@
 """The group_linears pass: structure (how many GEMMs before/after) and parity.
 
-Parity: loss/outputs and every parameter gradient against eager, fp32 norm-wise
-relative 1e-5 (the tolerance of tests/test_parity.py).
+Parity: loss/outputs and every parameter gradient follow the suite's parity rule
+against eager and float64 (conftest.assert_parity).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every model of the style zoo (tests/style_models.py) compiles as one graph and
+"""Every model of the style zoo (tests/models/style_models.py) compiles as one graph and
 matches eager PyTorch.
 
 For each ``STYLES`` entry: two builds from one seed (identical parameters), one

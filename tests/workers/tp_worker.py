@@ -38,7 +38,7 @@ SEQ, BATCH = 16, 2
 def build(kind: str) -> tuple[torch.nn.Module, Any]:
     """(model, how to call it) for a scenario's model kind."""
     torch.manual_seed(0)
-    if kind.startswith("style:"):  # model code written in other styles (tests/style_models.py)
+    if kind.startswith("style:"):  # model code written in other styles (tests/models/style_models.py)
         from style_models import STYLES
 
         return STYLES[kind.removeprefix("style:")]()
