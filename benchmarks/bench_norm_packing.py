@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from boost_compile.bench.scale import SHAPES, allreduce_time, load_hardware
+from boost_compile.bench.hardware import load_hardware
+from boost_compile.bench.scale_model import SHAPES, allreduce_time
 
 #: the ranks that the two normed groups carry per layer: q/k/v and gate/up, rank r each
 GROUP_WIDTHS = (3, 2)
@@ -64,7 +65,8 @@ def modelled(tp: int) -> str:
             for label, colls in variants(tokens, shape.rank).items():
                 cost[label] = sum(allreduce_time(1, n * torch.empty(0, dtype=dt).element_size(), tp, hw) for n, dt in colls)
             packed, separate, bound = cost.values()
-            lines.append(f"| {name} | {shape.name} | {packed * 1e6:.0f} | {separate * 1e6:.0f} | {bound * 1e6:.0f} | {packed / separate:.2f} |")
+            lines.append(f"| {name} | {shape.name} | {packed * 1e6:.0f} | {separate * 1e6:.0f} | "
+                         f"{bound * 1e6:.0f} | {packed / separate:.2f} |")
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ import sys
 
 import torch
 
+from boost_compile import _torch_compat as compat
+
 WIDTHS = (512, 1024, 2048, 4096, 8192)
 EPS = 1e-6
 
@@ -173,24 +175,24 @@ def main(argv: list[str] | None = None) -> int:
     if not HAS_TRITON:
         print("boost_compile.kernels has no Triton kernels, skipped")
         return 0
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-    print(f"# {torch.cuda.get_device_name()}, rows={args.rows}, dtype={args.dtype}")
-    results = []
-    for width in args.widths:
-        results.append(run_width(width, args))
-        r = results[-1]
-        print(
-            f"width {width}: boost {r['ms']['boost']:.4f} ms, inductor {r['ms']['inductor']:.4f} ms, "
-            f"eager {r['ms']['eager']:.4f} ms",
-            file=sys.stderr,
-        )
-    print(_table(results))
-    if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-        print(f"wrote {args.json}")
-    return 0
+    with compat.compile_settings(dynamo={"cache_size_limit": max(64, compat.dynamo_recompile_limit_value())}):
+        print(f"# {torch.cuda.get_device_name()}, rows={args.rows}, dtype={args.dtype}")
+        results = []
+        for width in args.widths:
+            results.append(run_width(width, args))
+            r = results[-1]
+            print(
+                f"width {width}: boost {r['ms']['boost']:.4f} ms, inductor {r['ms']['inductor']:.4f} ms, "
+                f"eager {r['ms']['eager']:.4f} ms",
+                file=sys.stderr,
+            )
+        print(_table(results))
+        if args.json:
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "results": results}, f, indent=2)
+            print(f"wrote {args.json}")
+        return 0
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from boost_compile import _torch_compat as compat
+
 VARIANTS = {"btp": False, "btp, tp.overlap": True}
 
 
@@ -34,33 +36,31 @@ def _worker(rank: int, store: str, args: dict[str, Any], out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch._dynamo.config.cache_size_limit = 64
-    torch._inductor.config.fx_graph_cache = False  # the pass reports come from the compile
-    torch._functorch.config.enable_autograd_cache = False
-    _dense, preset = timing.preset_pair(args["size"])
-    steps, records = {}, {}
-    for label, overlap in VARIANTS.items():
-        model = timing.build_model(preset, args["seq"], args["vocab"])
-        tokens = timing.tokens_for(model, args["batch"], args["seq"])
-        bc.parallelize_(model, (tokens,), dist.group.WORLD, plan="btp")
-        records[label] = Recorder(keep_view=False)
-        config = BoostConfig.from_options({"tp": {"overlap": overlap}})
-        compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=records[label]), dynamic=False)
-        step = timing.train_step(model, compiled, tokens, "wall")
+    with compat.compile_settings(dynamo={"cache_size_limit": 64}, **compat.NO_COMPILE_CACHES):  # the reports come from the compile
+        _dense, preset = timing.preset_pair(args["size"])
+        steps, records = {}, {}
+        for label, overlap in VARIANTS.items():
+            model = timing.build_model(preset, args["seq"], args["vocab"])
+            tokens = timing.tokens_for(model, args["batch"], args["seq"])
+            bc.parallelize_(model, (tokens,), dist.group.WORLD, plan="btp")
+            records[label] = Recorder(keep_view=False)
+            config = BoostConfig.from_options({"tp": {"overlap": overlap}})
+            compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=records[label]), dynamic=False)
+            step = timing.train_step(model, compiled, tokens, "wall")
 
-        def synced(step=step) -> float:
-            dist.barrier()
-            t = step()
-            dist.barrier()
-            return t
+            def synced(step=step) -> float:
+                dist.barrier()
+                t = step()
+                dist.barrier()
+                return t
 
-        steps[label] = synced
-    times = timing.round_robin(steps, args["repeats"], 2)
-    if rank == 0:
-        moved = [r.line() for g in records["btp, tp.overlap"].graphs for r in g.aten_reports if r.name == "tp_overlap"]
-        with open(out, "w") as f:
-            json.dump({"times": times, "moved": moved}, f)
-    dist.destroy_process_group()
+            steps[label] = synced
+        times = timing.round_robin(steps, args["repeats"], 2)
+        if rank == 0:
+            moved = [r.line() for g in records["btp, tp.overlap"].graphs for r in g.aten_reports if r.name == "tp_overlap"]
+            with open(out, "w") as f:
+                json.dump({"times": times, "moved": moved}, f)
+        dist.destroy_process_group()
 
 
 def main() -> None:

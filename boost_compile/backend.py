@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis import GraphView, count_ops
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import (
@@ -43,7 +44,7 @@ class GraphRecord:
     stages: list[StageRecord] = field(default_factory=list)
     reports: list[PassReport] = field(default_factory=list)
     aten_reports: list[PassReport] = field(default_factory=list)
-    #: one ``saved_tensors`` report per joint graph split (passes/checkpoint.py)
+    #: one ``saved_tensors`` report per joint graph split (passes/saved_tensors.py)
     partition_reports: list[PassReport] = field(default_factory=list)
     view: GraphView | None = None
 
@@ -98,25 +99,20 @@ def _inner_compile(
     if config.inner == "eager":
         return gm.forward
     if config.inner == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
         def run_pipeline(aten_gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
             if pipeline.passes:
                 pipeline(aten_gm.graph)
                 aten_gm.recompile()
-            return make_boxed_func(aten_gm.forward)
+            return compat.make_boxed_func(aten_gm.forward)
 
         extra = {"partition_fn": partitioner} if partitioner is not None else {}
-        return aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline, **extra)(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
-
+        return compat.aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline, **extra)(gm, example_inputs)
     patches: dict[str, Any] = {}
     if pipeline.passes:
         patches["post_grad_custom_post_pass"] = pipeline
     if partitioner is not None:
         patches["custom_partitioner_fn"] = partitioner
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compat.compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def boost_backend(

@@ -17,7 +17,7 @@ INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 FACTORIZE_INITS = ("svd", "random")
 ACTIVATIONS = ("silu", "gelu", "relu")
 RMSNORM_DEVICES = ("cuda", "cpu")
-#: ``checkpoint=``: what the backward keeps (passes/checkpoint.py describes each policy).
+#: ``checkpoint=``: what the backward keeps (passes/activation_checkpoint.py describes each policy).
 CHECKPOINT_MODES = ("none", "lowrank", "full", "budget")
 NORM_STATISTIC_MODES = ("packed", "separate")
 

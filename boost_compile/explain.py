@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis import GraphView
 from boost_compile.backend import GraphRecord, Recorder, compile_graph
 from boost_compile.config import BoostConfig
@@ -145,8 +146,8 @@ class Explanation:
         return lines
 
     def _saved_tensors(self, g: GraphRecord) -> list[str]:
-        """What the forward keeps for the backward, per block (passes/checkpoint.py)."""
-        from boost_compile.passes.checkpoint import saved_markdown
+        """What the forward keeps for the backward, per block (passes/saved_tensors.py)."""
+        from boost_compile.passes.saved_tensors import saved_markdown
 
         lines = []
         for r in g.partition_reports:
@@ -154,7 +155,7 @@ class Explanation:
         return lines
 
     def _collective_table(self, g: GraphRecord) -> list[str]:
-        from boost_compile.passes.collective_census import in_blocks
+        from boost_compile.analysis.fx_utils import in_blocks
 
         census = [r for r in g.aten_reports if r.name == "collective_census"]
         if not any(r.details["collectives"] for r in census):
@@ -174,7 +175,8 @@ class Explanation:
                 f"{r.details['total_bytes']:,} bytes; all-reduce bytes per layer ({layers} layers): {reduce_bytes // layers:,}"
             )
             if outside:
-                what = ", ".join(f"{c['kind']} {c['shape']} {c['bytes']:,} B" + (f" ({c['source']})" if c.get("source") else "") for c in outside)
+                what = ", ".join(f"{c['kind']} {c['shape']} {c['bytes']:,} B" + (f" ({c['source']})" if c.get("source") else "")
+                                 for c in outside)
                 lines.append(f"  - outside the blocks (embedding, final norm, head, loss): {len(outside)} collectives, "
                              f"{sum(c['bytes'] or 0 for c in outside):,} bytes: {what}")
         return lines + [""]
@@ -268,9 +270,6 @@ def explain(
     model has trainable parameters), so the backward graph is compiled and shown.
     Parameter ``.grad`` values are restored afterwards.
     """
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
     config = BoostConfig.from_options(options)
     recorder = Recorder()
     backend = functools.partial(compile_graph, config=config, recorder=recorder)
@@ -282,7 +281,7 @@ def explain(
     for p in params:  # backward accumulates in place: keep the user's tensors out of reach
         p.grad = None
     # Caches would skip the ATen passes whose reports we show.
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with compat.compile_settings(**compat.NO_COMPILE_CACHES):
         out = compiled(*example_inputs)
         if backward:
             loss = _scalar(out)

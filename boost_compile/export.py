@@ -19,7 +19,8 @@ are identical). Then, by kind (``boost_export.json`` records which):
   bottleneck's shape; loads with :func:`load_exported`.
 
 The run's tokenizer is saved next to it as ``tokenizer.json`` (for ``hf``, with
-the ``tokenizer_config.json`` of ``AutoTokenizer``; byte tokens: no file); the model's vocabulary may be larger than the tokenizer's (padding
+the ``tokenizer_config.json`` of ``AutoTokenizer``; byte tokens: no file); the model's vocabulary may be larger than the \
+tokenizer's (padding
 rows, ``vocab_size`` in ``boost_export.json`` is the tokenizer's).
 :func:`load_exported` loads any of the three kinds.
 """
@@ -79,7 +80,7 @@ def resolve(path: str | Path, config: str | Path | None = None) -> Source:
     from omegaconf import OmegaConf
 
     from boost_compile.train.checkpoint import checkpoint_dir, checkpoint_step, find_checkpoint
-    from boost_compile.train.config import to_train_config
+    from boost_compile.train.validate import to_train_config
 
     path = Path(path).expanduser().resolve()
     if not path.exists():
@@ -127,9 +128,9 @@ def load_checkpoint_model(model: nn.Module, checkpoint: str | Path) -> None:
 def build_from_source(source: Source, device: torch.device | str = "cpu") -> nn.Module:
     """The trained model: built as boost-train builds it (the vocabulary following the run's
     tokenizer), with the checkpoint's weights, in eval mode."""
-    from boost_compile.train.config import model_shape
     from boost_compile.train.model import build_model, fit_vocab
     from boost_compile.train.parallel import cast_weights
+    from boost_compile.train.validate import model_shape
 
     tc = source.config
     shape = fit_vocab(model_shape(tc.model, tc.trainer.seq), tc.model, source.tokenizer().vocab_size)

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
 
@@ -171,7 +171,7 @@ class AtenPass:
         return _source_and_config_hash(self)
 
 
-class AtenPipeline(CustomGraphPass):
+class AtenPipeline(compat.CustomGraphPass):
     """The enabled ATen passes as one ``CustomGraphPass`` for Inductor.
 
     ``sink`` collects each run's report; Inductor may run the pipeline on the

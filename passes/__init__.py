@@ -7,8 +7,9 @@ Torch-IR passes (on the Dynamo graph, before the inner compiler):
   group_linears   linears sharing an input -> one GEMM + split
   tp_collectives  collectives of a model sharded by parallelize_ (online RMSNorm)
   rmsnorm         every RMSNorm site -> the fused boost::rms_norm op
-  checkpoint      tags what backward keeps / recomputes (opt-in; runs last, it must
-                  see the rewritten graph; its partitioner is checkpoint_partitioner)
+  checkpoint      tags what backward keeps / recomputes (activation_checkpoint.py; opt-in;
+                  runs last, it must see the rewritten graph; its partitioner is
+                  checkpoint_partitioner.py, its report saved_tensors.py)
 
 ATen passes (on the forward/backward graphs, inside the inner compiler):
   tp_overlap         each collective issued early, waited for late (opt-in: tp.overlap)
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import AtenPass, GraphPass
-from boost_compile.passes.checkpoint import CheckpointPass, checkpoint_partitioner
+from boost_compile.passes.activation_checkpoint import CheckpointPass
+from boost_compile.passes.checkpoint_partitioner import checkpoint_partitioner
 from boost_compile.passes.collective_census import CollectiveCensusPass
 from boost_compile.passes.factorize import FactorizePass
 from boost_compile.passes.group_linears import GroupLinearsPass

@@ -1,7 +1,7 @@
 """List the collectives of each ATen graph with their payload (read-only).
 
-Pattern: every ``_c10d_functional`` collective node (all_reduce, all_gather_into_tensor,
-reduce_scatter_tensor, all_to_all_single); ``wait_tensor`` is not a collective.
+Pattern: every functional collective node (all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, ...: ``fx_utils.is_collective``); ``wait_tensor`` is not a collective.
 For each: kind, shape, dtype and bytes of the tensor it sends, read from the
 node's ``val`` metadata, and where it comes from: the module (``nn_module_stack``,
 or for a backward collective the forward module it differentiates) and, in the
@@ -13,54 +13,29 @@ check the bytes per layer against the formulas of BOOST.md.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from boost_compile.analysis import graph_kind
+from boost_compile.analysis.fx_utils import collective_kind, graph_kind, is_collective, module_path
 from boost_compile.pass_manager import AtenPass, PassReport
-
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
 
 
 def collectives_of(graph: fx.Graph) -> list[dict[str, Any]]:
-    """``[{kind, shape, dtype, bytes}]`` for the collectives of an ATen graph, in order."""
+    """``[{kind, shape, dtype, bytes}]`` for the collectives of an ATen graph, in order (waits left out)."""
     found = []
     for node in graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        if target.namespace != "_c10d_functional" or target._opname not in COLLECTIVES:
+        if not is_collective(node, waits=False, bodies=False):
             continue
         src = node.args[0]
         val = src.meta.get("val") if isinstance(src, fx.Node) else None
         shape = tuple(int(s) for s in val.shape) if val is not None else None
         nbytes = val.numel() * val.element_size() if val is not None else None
         found.append({
-            "kind": target._opname, "shape": shape, "dtype": str(val.dtype) if val is not None else None,
-            "bytes": nbytes, "module": module_of(node), "source": source_of(node),
+            "kind": collective_kind(node.target), "shape": shape, "dtype": str(val.dtype) if val is not None else None,
+            "bytes": nbytes, "module": module_path(node), "source": source_of(node),
         })
     return found
-
-
-_BLOCK_INDEX = re.compile(r"\.\d+(\.|$)")
-
-
-def in_blocks(module: str) -> bool:
-    """Whether a module path lies inside a repeated block (``layers.3.mlp``)."""
-    return bool(_BLOCK_INDEX.search(module))
-
-
-def module_of(node: fx.Node) -> str:
-    """The module a collective belongs to: its own, or in backward the forward one's."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
-    path = re.sub(r"^L\['[^']+'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules", "").strip(".")
 
 
 def source_of(node: fx.Node) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis import ACTIVATION_TARGETS
 from boost_compile.factorize import cola_factors, saves_parameters, svd_factors
 from boost_compile.models.lowrank import break_even_rank
@@ -81,10 +82,10 @@ class FactorizePass(GraphPass):
                 a = graph.get_attr(down_name)
                 b = graph.get_attr(up_name)
             with graph.inserting_before(site.node):
-                h = graph.call_function(torch._C._nn.linear, (site.input, a))
+                h = graph.call_function(compat.TORCH_LINEAR, (site.input, a))
                 if cfg.activation is not None:
                     h = graph.call_function(_ACTIVATION_FN[cfg.activation], (h,))
-                y = graph.call_function(torch._C._nn.linear, (h, b, site.bias))
+                y = graph.call_function(compat.TORCH_LINEAR, (h, b, site.bias))
             y.meta.update(site.node.meta)
             site.node.replace_all_uses_with(y)
             graph.erase_node(site.node)
@@ -101,12 +102,8 @@ def _add_constant(gm: fx.GraphModule, name: str, value: torch.Tensor) -> None:
     the user's model; a tensor made at compile time comes from nowhere, so it gets
     a ``ConstantSource`` of its own name.
     """
-    from torch._dynamo.source import ConstantSource
-
     gm.register_buffer(name, value.contiguous())
-    sources = getattr(gm, "_param_name_to_source", None)
-    if sources is not None:
-        sources[name] = ConstantSource(name)
+    compat.give_constant_source(gm, name)
 
 
 def _real_value(ctx: PassContext, node: fx.Node) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis import LinearSite
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
@@ -113,7 +114,7 @@ def _rewrite(graph: fx.Graph, members: list[LinearSite], layout: str, order: dic
             ]
             bias = graph.call_function(torch.cat, (parts, 0))
         if layout == "out_in":
-            y = graph.call_function(torch._C._nn.linear, (x, w, bias))
+            y = graph.call_function(compat.TORCH_LINEAR, (x, w, bias))
         else:
             y = graph.call_function(torch.matmul, (x, w))
             if bias is not None:

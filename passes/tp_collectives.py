@@ -46,12 +46,12 @@ import torch
 import torch.fx as fx
 
 from boost_compile.analysis import RMSNormSite
+from boost_compile.analysis.fx_utils import LINEAR_TARGETS
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
-from boost_compile.distributed.parallelize import ParallelizeError, ShardSpec
+from boost_compile.distributed.shard import ParallelizeError, ShardSpec
 from boost_compile.pass_manager import PassContext, PassReport
 from boost_compile.passes.tp_localize import SHARDED_NORMS_KEY, TPPass, shard_specs
 
-_LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 _MATMUL = {operator.matmul, torch.matmul, torch.mm}
 
 
@@ -215,7 +215,7 @@ def _weight_arg(node: fx.Node) -> Any:
 
 
 def _gemm_spec(node: fx.Node, specs: dict[fx.Node, ShardSpec]) -> ShardSpec | None:
-    if node.op != "call_function" or node.target not in _LINEAR | _MATMUL | {torch.addmm}:
+    if node.op != "call_function" or node.target not in LINEAR_TARGETS | _MATMUL | {torch.addmm}:
         return None
     w = _weight_arg(node)
     if isinstance(w, fx.Node) and w.op == "call_method" and w.target == "t":
@@ -245,7 +245,7 @@ def _spec_of_site(site: RMSNormSite, specs: dict[fx.Node, ShardSpec], row: dict[
 def _reduce_after(graph: fx.Graph, node: fx.Node, spec: ShardSpec) -> None:
     """``reduce_from_tp`` on a row-parallel GEMM's output; a bias is added after the sum."""
     bias = None
-    if node.target in _LINEAR and len(node.args) > 2 and node.args[2] is not None:
+    if node.target in LINEAR_TARGETS and len(node.args) > 2 and node.args[2] is not None:
         bias = node.args[2]
         node.args = (node.args[0], node.args[1], None)
     elif node.target is torch.addmm:
@@ -306,7 +306,8 @@ def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: Sha
             r = _out_width(gemm)
             h = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(0, r))))
             s = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(r, r + 1))))
-        rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
+        rstd = graph.call_function(torch.rsqrt,
+                                   (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
         out = graph.call_method("type_as", (graph.call_function(operator.mul, (h, rstd)), x))
     out.meta.update(gemm.meta)
     gemm.replace_all_uses_with(out)
@@ -330,7 +331,8 @@ def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec
     eps = _eps(site, x)
     with graph.inserting_before(site.output):
         s = graph.call_function(reduce_from_tp, (_local_sumsq(graph, x), spec.group_name))
-        rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
+        rstd = graph.call_function(torch.rsqrt,
+                                   (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
         normed = graph.call_function(operator.mul, (graph.call_method("float", (x,)), rstd))
         scale = _scale_factor(graph, site)
         if scale is not None:

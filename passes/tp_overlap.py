@@ -26,21 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx as fx
 
-from boost_compile.analysis import graph_kind
+from boost_compile import _torch_compat as compat
+from boost_compile.analysis.fx_utils import graph_kind, is_collective
 from boost_compile.pass_manager import AtenPass, PassReport
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _is_collective(node: fx.Node) -> bool:
-    target = node.target
-    return (
-        node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-        and target.namespace == "_c10d_functional" and target is not _WAIT
-    )
+_WAIT = compat.WAIT_TENSOR
 
 
 class TPOverlapPass(AtenPass):
@@ -66,7 +58,8 @@ class TPOverlapPass(AtenPass):
 
 
 def _movable(node: fx.Node) -> bool:
-    return node.op == "call_function" and not _is_collective(node) and node.target is not _WAIT and not node.is_impure()
+    return (node.op == "call_function" and not is_collective(node, waits=False, bodies=False) and node.target is not _WAIT
+            and not node.is_impure())
 
 
 def _delay_independent_work(graph: fx.Graph) -> int:
@@ -76,7 +69,7 @@ def _delay_independent_work(graph: fx.Graph) -> int:
     nodes = list(graph.nodes)
     start = 0
     for i, node in enumerate(nodes):
-        if not _is_collective(node):
+        if not is_collective(node, waits=False, bodies=False):
             continue
         segment = nodes[start:i]
         inside = set(segment)
@@ -118,6 +111,7 @@ def _sink_waits(graph: fx.Graph) -> tuple[int, int]:
     between = sum(
         order[n] - order[n.args[0]] - 1
         for n in graph.nodes
-        if n.op == "call_function" and n.target is _WAIT and isinstance(n.args[0], fx.Node) and _is_collective(n.args[0])
+        if (n.op == "call_function" and n.target is _WAIT and isinstance(n.args[0], fx.Node)
+            and is_collective(n.args[0], waits=False, bodies=False))
     )
     return sunk, between

@@ -58,7 +58,8 @@ from typing import Any
 
 import torch
 
-from boost_compile.bench import compare, scale
+from boost_compile import _torch_compat as compat
+from boost_compile.bench import compare, hardware, scale_model
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware", "cpu.json")
 KIB, MIB = 1024, 1024 * 1024
@@ -161,7 +162,7 @@ def all_reduce_item(key: str, nbytes: int) -> Item:
 
     buf = torch.zeros(nbytes // 4)
     group = dist.group.WORLD.group_name
-    ops = torch.ops._c10d_functional
+    ops = compat.functional_collectives()
 
     return Item(key, lambda: ops.wait_tensor(ops.all_reduce(buf, "sum", group)))
 
@@ -282,13 +283,13 @@ def fit_gemm(gemms: list[dict[str, Any]], peak_seconds: float, peak_n: int, dtyp
     a line in ``1 / I``. ``peak`` is the square GEMM's rate, raised to the fitted
     ceiling if the model's shapes run faster.
     """
-    flops = [3 * scale.linear_flops(g["m"], g["k"], g["n"]) for g in gemms]
-    inv_intensity = [1.0 / scale.gemm_intensity(g["m"], g["k"], g["n"], dtype_bytes) for g in gemms]
+    flops = [3 * scale_model.linear_flops(g["m"], g["k"], g["n"]) for g in gemms]
+    inv_intensity = [1.0 / scale_model.gemm_intensity(g["m"], g["k"], g["n"], dtype_bytes) for g in gemms]
     ys = [g["seconds"] / f for g, f in zip(gemms, flops, strict=True)]
     a, b = fit_line(inv_intensity, ys)
     if a <= 0:  # no measurable ceiling (noise, or memory-bound shapes only): one constant rate
         a, b = fit_line([0.0] * len(ys), ys)
-    peak = max(3 * scale.linear_flops(peak_n, peak_n, peak_n) / peak_seconds, 1.0 / a)
+    peak = max(3 * scale_model.linear_flops(peak_n, peak_n, peak_n) / peak_seconds, 1.0 / a)
     rows = [{**g, "flops_per_s": f / g["seconds"], "fitted_flops_per_s": 1.0 / (a + b * x)}
             for g, f, x in zip(gemms, flops, inv_intensity, strict=True)]
     worst = max(abs(r["fitted_flops_per_s"] / r["flops_per_s"] - 1) for r in rows)
@@ -301,7 +302,7 @@ def fit_attention(attention: list[dict[str, Any]], peak: float, causal_fraction:
     rows = []
     for a in attention:
         b, h, s, hd = a["shape"]
-        flops = scale.attention_flops(b, s, h * hd, causal_fraction) * (1 + bwd_factor)
+        flops = scale_model.attention_flops(b, s, h * hd, causal_fraction) * (1 + bwd_factor)
         rows.append({**a, "model_flops": flops, "efficiency": flops / a["seconds"] / peak})
     eff = math.exp(statistics.fmean(math.log(r["efficiency"]) for r in rows))
     return {"attention_efficiency": min(eff, 1.0), "rows": rows}
@@ -339,7 +340,7 @@ def _entry(value: float, source: str, stamp: dict[str, str]) -> dict[str, Any]:
 
 
 def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, str], threads: int) -> dict[str, Any]:
-    """The hardware file (``scale.hardware_from_dict``'s layout) from the two ranks' measurements."""
+    """The hardware file (``hardware.hardware_from_dict``'s layout) from the two ranks' measurements."""
     ranks, world = raw["ranks"], raw["world"]
     first = ranks[0]
     gemms, attention = _averaged(ranks, "gemms"), _averaged(ranks, "attention")
@@ -359,7 +360,8 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
         "description": f"this machine's CPU, fp32, {per_core}; gloo between the processes",
         "measured": {**stamp, "threads": str(threads), "processes": str(world), "quick": str(o["quick"]).lower()},
         "peak_flops": _entry(g["peak_flops"], f"fp32 GEMM [{n}, {n}] x [{n}, {n}] forward + backward, {per_core}", stamp),
-        "hbm_bandwidth": _entry(mem["hbm_bandwidth"], f"copy of a {todo['copy_bytes'] // MIB} MiB buffer: bytes read + written / time", stamp),
+        "hbm_bandwidth": _entry(mem["hbm_bandwidth"], f"copy of a {todo['copy_bytes'] // MIB} MiB buffer: "
+                                "bytes read + written / time", stamp),
         "nvlink_bandwidth": _entry(p2p["bandwidth"], "the link between the two processes: the send/recv bandwidth "
                                    "(as p2p_bandwidth)", stamp),
         "allreduce_bus_bandwidth": _entry(ar["bandwidth"], f"gloo all-reduce as the compiled graphs issue it (functional, "
@@ -410,7 +412,7 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         "load_average_before": f"{load_before:.2f}",
     }
     hw = hardware_json(raw, todo, stamp, raw["ranks"][0]["threads"])
-    scale.hardware_from_dict(hw)  # the file must load
+    hardware.hardware_from_dict(hw)  # the file must load
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(hw, f, indent=1)
@@ -420,5 +422,5 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 def summary(hw: dict[str, Any]) -> str:
     """The constants, one line each."""
-    keys = [*scale.HARDWARE_FIELDS, *scale.OPTIONAL_HARDWARE_FIELDS]
+    keys = [*hardware.HARDWARE_FIELDS, *hardware.OPTIONAL_HARDWARE_FIELDS]
     return "\n".join(f"{k}: {hw[k]['value']:.4g}  ({hw[k].get('source') or hw[k].get('why')})" for k in keys)

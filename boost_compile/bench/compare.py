@@ -3,7 +3,7 @@
 ``boost-bench tp`` and ``boost-bench pp`` time training steps on two gloo
 processes and save every variant's median step in ``tp.json`` and ``pp.json``,
 with the shapes they ran (size, sequence, batch, vocabulary, micro-batches).
-Each variant is one configuration of :func:`boost_compile.bench.scale.predict`:
+Each variant is one configuration of :func:`boost_compile.bench.scale_model.predict`:
 
     tp: dense, megatron             full-rank TP2      dense, 1 process   full-rank TP1
         CoLA, vanilla (DTensor)     vanilla TP2        CoLA, 1 process    btp TP1
@@ -21,7 +21,7 @@ measured step time. Each row gets the relative error of the prediction and
 whether it is within :data:`TARGET_ERROR`.
 
 The stage boundaries ``boost-bench pp`` measured (the bytes one rank sends and
-receives per step between two stages) are put beside :func:`scale.p2p_bytes`.
+receives per step between two stages) are put beside :func:`scale_model.p2p_bytes`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from boost_compile.bench import pp, scale, tp
+from boost_compile.bench import hardware, pp, scale_model, tp
 from boost_compile.bench.results import Result, Target, bar_chart, load
 
 #: the acceptance bound on the relative error of each predicted step
@@ -45,7 +45,7 @@ class Config:
     bench: str
     label: str
     family: str  # "dense" or "cola": which preset of the size
-    system: str  # one of scale.SYSTEMS
+    system: str  # one of scale_model.SYSTEMS
     tp: int = 1
     pp: int = 1
     dp: int = 1
@@ -65,7 +65,7 @@ PP_CONFIGS = tuple(
 STAGE_SYSTEMS = {"btp": "btp", "megatron": "full-rank"}
 
 
-def shape_for(size: str, vocab: int) -> scale.Shape:
+def shape_for(size: str, vocab: int) -> scale_model.Shape:
     """The scale model's shape of a preset size with the benches' vocabulary (0: the preset's).
 
     The model assumes r = d / 4 in every projection and as many key/value heads
@@ -80,12 +80,12 @@ def shape_for(size: str, vocab: int) -> scale.Shape:
             f"the scale model needs rank d/4 and n_kv_heads == n_heads; size {size!r} has d {c.dim}, "
             f"ranks {c.rank_attn}/{c.rank_mlp}, {c.n_heads} heads, {c.n_kv_heads} key/value heads"
         )
-    return scale.Shape(size, c.dim, c.ffn_dim, c.n_layers, c.n_heads, vocab or c.vocab_size)
+    return scale_model.Shape(size, c.dim, c.ffn_dim, c.n_layers, c.n_heads, vocab or c.vocab_size)
 
 
-def workload(params: dict[str, Any]) -> scale.Workload:
+def workload(params: dict[str, Any]) -> scale_model.Workload:
     """What a bench's step computes: fp32, no optimizer step, its sequence, batch and micro-batches."""
-    return scale.Workload(
+    return scale_model.Workload(
         seq=params["seq"],
         batch=params["batch"],
         dtype_bytes=4,
@@ -101,7 +101,7 @@ def bench_params(size: str = "60m", seq: int = 1024, batch: int = 4, vocab: int 
     return {"tp": common, "pp": {**common, "microbatches": microbatches}}
 
 
-def configurations(params: dict[str, dict[str, Any]]) -> list[tuple[Config, scale.Shape, scale.Workload]]:
+def configurations(params: dict[str, dict[str, Any]]) -> list[tuple[Config, scale_model.Shape, scale_model.Workload]]:
     """Every configuration of the benches in ``params`` (bench -> its params), with its shape and workload."""
     out = []
     for bench, configs in (("tp", TP_CONFIGS), ("pp", PP_CONFIGS)):
@@ -111,25 +111,25 @@ def configurations(params: dict[str, dict[str, Any]]) -> list[tuple[Config, scal
     return out
 
 
-def micro_batch(config: Config, wl: scale.Workload) -> int:
+def micro_batch(config: Config, wl: scale_model.Workload) -> int:
     """Sequences in one micro-batch of one replica (what each GEMM and attention call sees)."""
     return wl.batch // config.dp // (wl.micro_batches if config.pp > 1 else 1)
 
 
-def gemms(config: Config, shape: scale.Shape, wl: scale.Workload) -> list[scale.Gemm]:
-    """The forward GEMMs of one layer and of the head that :func:`scale.predict` times for ``config``."""
+def gemms(config: Config, shape: scale_model.Shape, wl: scale_model.Workload) -> list[scale_model.Gemm]:
+    """The forward GEMMs of one layer and of the head that :func:`scale_model.predict` times for ``config``."""
     tokens = micro_batch(config, wl) * wl.seq
-    head = scale.Gemm(tokens, shape.d, -(-shape.vocab // config.tp))
-    return [*scale.layer_gemms(config.system, shape, tokens, config.tp), head]
+    head = scale_model.Gemm(tokens, shape.d, -(-shape.vocab // config.tp))
+    return [*scale_model.layer_gemms(config.system, shape, tokens, config.tp), head]
 
 
-def attention_shape(config: Config, shape: scale.Shape, wl: scale.Workload) -> tuple[int, int, int, int]:
+def attention_shape(config: Config, shape: scale_model.Shape, wl: scale_model.Workload) -> tuple[int, int, int, int]:
     """(batch, heads, seq, head_dim) of one rank's attention call for ``config``."""
-    return micro_batch(config, wl), scale.attention_heads(config.system, shape, config.tp), wl.seq, shape.head_dim
+    return micro_batch(config, wl), scale_model.attention_heads(config.system, shape, config.tp), wl.seq, shape.head_dim
 
 
-def predict(config: Config, shape: scale.Shape, wl: scale.Workload, hw: scale.Hardware) -> scale.Prediction:
-    return scale.predict(shape, config.system, config.tp, config.pp, hw, wl, dp=config.dp)
+def predict(config: Config, shape: scale_model.Shape, wl: scale_model.Workload, hw: hardware.Hardware) -> scale_model.Prediction:
+    return scale_model.predict(shape, config.system, config.tp, config.pp, hw, wl, dp=config.dp)
 
 
 def measured_step(bench: str, label: str, data: dict[str, Any]) -> float:
@@ -145,14 +145,14 @@ def _measured_params(data: dict[str, Any]) -> dict[str, Any]:
     return {**data["params"], "vocab": data["vocab"]}
 
 
-def compare(results: dict[str, Result], hw: scale.Hardware) -> list[dict[str, Any]]:
+def compare(results: dict[str, Result], hw: hardware.Hardware) -> list[dict[str, Any]]:
     """Predicted beside measured for every variant of the given bench results (``tp`` and/or ``pp``)."""
     params = {bench: _measured_params(r.data) for bench, r in results.items()}
     rows = []
     for config, shape, wl in configurations(params):
         pred = predict(config, shape, wl, hw)
         measured = measured_step(config.bench, config.label, results[config.bench].data)
-        error = scale.relative_error(pred.iteration_s, measured)
+        error = scale_model.relative_error(pred.iteration_s, measured)
         rows.append({**asdict(config), "micro_batches": pred.micro_batches, "measured_s": measured,
                      "predicted_s": pred.iteration_s, "error": error, "within": abs(error) <= TARGET_ERROR,
                      "predicted": asdict(pred)})
@@ -168,7 +168,7 @@ def boundary_comparison(result: Result) -> list[dict[str, Any]]:
     tokens = wl.batch // m * wl.seq
 
     def model_bytes(system: str, tp_degree: int) -> int:  # one activation and its gradient per micro-batch
-        return 2 * m * scale.p2p_bytes(tokens, shape, wl.dtype_bytes, system, tp_degree)
+        return 2 * m * scale_model.p2p_bytes(tokens, shape, wl.dtype_bytes, system, tp_degree)
 
     rows = [{"boundary": f"{pp.PP2} ({data['preset']})", "measured": data["rows"][pp.PP2]["comm"]["bytes"],
              "model": model_bytes("btp", 1)}]
@@ -178,7 +178,7 @@ def boundary_comparison(result: Result) -> list[dict[str, Any]]:
     return rows
 
 
-def _hardware_lines(hw: scale.Hardware) -> list[str]:
+def _hardware_lines(hw: hardware.Hardware) -> list[str]:
     m = hw.measured
     origin = (
         f"measured by `{m.get('command', '?')}` on {m.get('machine', '?')}, {m.get('date', '?')}. Its constants "
@@ -186,7 +186,7 @@ def _hardware_lines(hw: scale.Hardware) -> list[str]:
         "all-reduce and send/recv); none is fitted to a measured step time."
         if m else "not measured by `boost-bench calibrate` (its constants are not this machine's)."
     )
-    fields = [*scale.HARDWARE_FIELDS, *(k for k in scale.OPTIONAL_HARDWARE_FIELDS if k in hw.notes)]
+    fields = [*hardware.HARDWARE_FIELDS, *(k for k in hardware.OPTIONAL_HARDWARE_FIELDS if k in hw.notes)]
     return [
         f"Hardware file `{hw.name}`: {origin}",
         "",
@@ -196,7 +196,7 @@ def _hardware_lines(hw: scale.Hardware) -> list[str]:
     ]
 
 
-def render(rows: list[dict[str, Any]], boundary: list[dict[str, Any]], hw: scale.Hardware,
+def render(rows: list[dict[str, Any]], boundary: list[dict[str, Any]], hw: hardware.Hardware,
            sources: dict[str, str]) -> str:
     lines = [
         f"Scale model with the `{hw.name}` hardware file beside the steps measured by "
@@ -242,7 +242,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder of tp.json and pp.json, for --compare measured (default: %(default)s)")
 
 
-def run_result(args: argparse.Namespace, hw: scale.Hardware) -> Result:
+def run_result(args: argparse.Namespace, hw: hardware.Hardware) -> Result:
     """The comparison as a ``boost-bench`` result (``scale-cpu``), one target per measured variant."""
     results = {b: r for b in ("tp", "pp") if (r := load(args.results, b)) is not None}
     if not results:
@@ -254,7 +254,7 @@ def run_result(args: argparse.Namespace, hw: scale.Hardware) -> Result:
     targets = [Target(f"{r['bench']} {r['label']}: |predicted - measured| / measured", abs(r["error"]), TARGET_ERROR, False)
                for r in rows]
     data = {
-        "hardware": {"name": hw.name, **{k: getattr(hw, k) for k in scale.HARDWARE_FIELDS},
+        "hardware": {"name": hw.name, **{k: getattr(hw, k) for k in hardware.HARDWARE_FIELDS},
                      "p2p_latency": hw.p2p_latency, "notes": dict(hw.notes), "measured": dict(hw.measured)},
         "target_error": TARGET_ERROR,
         "sources": {b: {"command": r.command, "commit": r.commit, "date": r.date} for b, r in results.items()},

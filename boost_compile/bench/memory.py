@@ -22,15 +22,14 @@ import statistics
 from collections.abc import Callable
 
 import torch
-import torch._functorch.config as functorch_config
-import torch._inductor.config as inductor_config
 
+from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.bench import timing
 from boost_compile.bench.results import Result, Target, bar_chart
 from boost_compile.config import BoostConfig
 from boost_compile.models import Llama
-from boost_compile.passes.checkpoint import activation_bytes
+from boost_compile.passes.saved_tensors import activation_bytes
 
 MODES = ("none", "lowrank", "full", "budget")
 
@@ -56,7 +55,7 @@ def compile_mode(model: Llama, mode: str, args: argparse.Namespace, tokens: torc
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec), fullgraph=True)
     step = timing.train_step(model, compiled, tokens, args.clock)
     # the first step compiles; without the caches the partitioner runs and reports
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    with compat.compile_settings(**compat.NO_COMPILE_CACHES):
         step()
     (graph,) = rec.graphs
     (report,) = graph.partition_reports
@@ -90,7 +89,8 @@ def run(args: argparse.Namespace) -> Result:
         f"{torch.get_num_threads()} thread(s), {args.clock} clock; forward+backward, modes round-robin, {args.repeats} repeats. "
         "Saved bytes are read from the partitioned graphs (exact).",
         "",
-        "| mode | saved / layer (MB) | vs none | saved total (MB) | vs none | step, fastest (ms) | median (ms) | vs none | MB saved per ms extra |",
+        ("| mode | saved / layer (MB) | vs none | saved total (MB) | vs none | step, fastest (ms) | median (ms) | vs none "
+         "| MB saved per ms extra |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = []
@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> Result:
         label = m if m != "budget" else f"budget {args.budget:g}"
         lines.append(
             f"| {label} | {per_layer[m] / mb:.2f} | {per_layer[m] / per_layer['none']:.3f} | {total[m] / mb:.2f} | "
-            f"{total[m] / total['none']:.3f} | {best[m] * 1e3:.1f} | {med[m] * 1e3:.1f} | {best[m] / best['none']:.3f} | {rate_cell} |"
+            f"{total[m] / total['none']:.3f} | {best[m] * 1e3:.1f} | {med[m] * 1e3:.1f} | "
+            f"{best[m] / best['none']:.3f} | {rate_cell} |"
         )
-        rows.append({"mode": m, "label": label, "saved_per_layer": per_layer[m], "saved_total": total[m], "step_best_s": best[m], "step_median_s": med[m], "times_s": times[m], "mb_per_ms": rate, "saved_per_block": saved[m]})
+        rows.append({"mode": m, "label": label, "saved_per_layer": per_layer[m], "saved_total": total[m], "step_best_s": best[m],
+                     "step_median_s": med[m], "times_s": times[m], "mb_per_ms": rate, "saved_per_block": saved[m]})
     targets = []
     # the targets are for the CoLA-60m shapes
     if "lowrank" in best and args.size == "60m":
@@ -115,7 +117,8 @@ def run(args: argparse.Namespace) -> Result:
         rates = {r["mode"]: r["mb_per_ms"] for r in rows}
         if "full" in rates and rates["full"] and rates["lowrank"] is not None:
             targets.append(Target("lowrank MB saved per ms / full's", rates["lowrank"] / rates["full"], 1.0, True))
-    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows, "layer_shapes": {"d": cfg.dim, "r": cfg.rank_attn, "tokens": args.batch * args.seq}}
+    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows,
+            "layer_shapes": {"d": cfg.dim, "r": cfg.rank_attn, "tokens": args.batch * args.seq}}
     return Result("memory", "Activation checkpointing modes", "\n".join(lines), data, targets)
 
 

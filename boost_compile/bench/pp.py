@@ -260,7 +260,8 @@ def boundary_bytes(boundary: dict[str, dict[str, Any]], microbatches: int) -> No
 
 def _rows_table(rows: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
-        f"| variant | TP | PP | DP | step (ms) | min-max (ms) | tokens/s | speed-up over {SINGLE} | x of perfect scaling | communication per step and rank |",
+        (f"| variant | TP | PP | DP | step (ms) | min-max (ms) | tokens/s | speed-up over {SINGLE} | x of perfect scaling "
+         "| communication per step and rank |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for label, r in rows.items():

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder, boost_backend, compile_graph
 from boost_compile.bench import timing
 from boost_compile.bench.results import Result, bar_chart
@@ -88,9 +89,13 @@ def gemms_per_block(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[float
 
 
 def run(args: argparse.Namespace) -> Result:
+    with compat.compile_settings(dynamo={"cache_size_limit": 64}):  # room for every variant's graphs
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> Result:
     clock = args.clock or ("wall" if args.device == "cuda" else "thread")
     timing.set_threads(args.threads, clock)
-    torch._dynamo.config.cache_size_limit = 64
     dtype = getattr(torch, args.dtype)
     table = variants(args.device)
     keys = [k for k, _b in BASELINES if k in args.variants] + [k for k in args.variants if k not in dict(BASELINES)]
@@ -125,11 +130,14 @@ def run(args: argparse.Namespace) -> Result:
         ratios = {table[b][0]: (med[b] / t if fam == "dense" or family == fam else None) for b, fam in base_cols}
         cells = [f"{r:.2f}x" if r is not None else "-" for r in ratios.values()]
         lines.append(
-            f"| {label} | {t * 1e3:.1f} | {min(times[key]) * 1e3:.1f}-{max(times[key]) * 1e3:.1f} | {ntok / t:,.0f} | " + " | ".join(cells) + " |"
+            f"| {label} | {t * 1e3:.1f} | {min(times[key]) * 1e3:.1f}-{max(times[key]) * 1e3:.1f} | {ntok / t:,.0f} | "
+            + " | ".join(cells) + " |"
         )
-        rows.append({"key": key, "label": label, "family": family, "step_s": t, "times_s": times[key], "tokens_per_s": ntok / t, "ratios": ratios})
+        rows.append({"key": key, "label": label, "family": family, "step_s": t, "times_s": times[key], "tokens_per_s": ntok / t,
+                     "ratios": ratios})
     lines += ["", f"GEMMs per CoLA block: {before:g} as captured, {after:g} after grouping."]
-    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "clock": clock, "rows": rows, "gemms_per_block": [before, after]}
+    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "clock": clock, "rows": rows,
+            "gemms_per_block": [before, after]}
     return Result("single", "Single device: dense and CoLA, eager, Inductor and boost", "\n".join(lines), data)
 
 

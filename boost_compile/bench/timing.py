@@ -28,7 +28,8 @@ def preset_pair(size: str) -> tuple[str, str]:
     return f"llama-{size}", f"cola-{size}"
 
 
-def build_model(preset: str, seq: int, vocab: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32, **overrides: Any) -> Llama:
+def build_model(preset: str, seq: int, vocab: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                **overrides: Any) -> Llama:
     """The preset's model, seeded, with room for ``seq`` tokens and an optional smaller vocabulary."""
     fields: dict[str, Any] = {"max_seq_len": max(seq, LlamaConfig.preset(preset).max_seq_len), **overrides}
     if vocab:
@@ -42,7 +43,8 @@ def tokens_for(model: Llama, batch: int, seq: int, device: str = "cpu") -> torch
     return torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen).to(device)
 
 
-def train_step(model: torch.nn.Module, run: Callable[..., Any], tokens: torch.Tensor, clock: str, device: str = "cpu") -> Callable[[], float]:
+def train_step(model: torch.nn.Module, run: Callable[..., Any], tokens: torch.Tensor, clock: str,
+               device: str = "cpu") -> Callable[[], float]:
     """One forward+backward of ``run`` (the model, compiled or not); returns its time."""
     now = CLOCKS[clock]
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from boost_compile import _torch_compat as compat
 from boost_compile.bench import profile
 from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, Target, bar_chart
@@ -67,18 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _setup(rank: int, world: int, store: str, kernel_profile: bool) -> int:
-    """Join the gloo group and configure compilation; returns the threads per process."""
+    """Join the gloo group; returns the threads per process."""
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    torch._dynamo.config.cache_size_limit = 64
-    # the collective census runs inside the compile: a cache hit would skip it
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    # Inductor's C++ kernels as named profiler events (set before anything compiles)
-    torch._inductor.config.cpp.enable_kernel_profile = kernel_profile
     return torch.get_num_threads()
+
+
+def _compile_settings(kernel_profile: bool) -> Any:
+    """Room for every variant's graphs; the collective census runs inside the compile, so no
+    cache hit may skip it; Inductor's C++ kernels as named profiler events (before anything compiles)."""
+    return compat.compile_settings(
+        dynamo={"cache_size_limit": 64},
+        inductor={"fx_graph_cache": False, "cpp.enable_kernel_profile": kernel_profile},
+        functorch={"enable_autograd_cache": False},
+    )
 
 
 def _compiled_step(model: torch.nn.Module, tokens: torch.Tensor, inner: str, recorder: Any) -> Callable[[], float]:
@@ -132,7 +137,8 @@ def _census(rec: Any) -> dict[str, list[dict[str, Any]]]:
     return {k: [c for r in census if r.details["graph"] == k for c in r.details["collectives"]] for k in ("forward", "backward")}
 
 
-def _profile_variants(rank: int, steps: dict[str, Callable[[], float]], heads: dict[str, int], dims: dict[str, int], tokens: int) -> dict[str, Any]:
+def _profile_variants(rank: int, steps: dict[str, Callable[[], float]], heads: dict[str, int], dims: dict[str, int],
+                      tokens: int) -> dict[str, Any]:
     """One profiled step of each variant on rank 0; the other rank runs it unprofiled (collectives need both)."""
     import torch.distributed as dist
 
@@ -155,47 +161,50 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
     from boost_compile.bench import timing
 
     threads = _setup(rank, world, store, args["profile"])
-    presets = dict(zip(("dense", "cola"), timing.preset_pair(args["size"]), strict=True))
-    raw, steps, records, layers, heads, dims = {}, {}, {}, {}, {}, {}
-    for label, family, plan in VARIANTS:
-        model = timing.build_model(presets[family], args["seq"], args["vocab"])
-        tokens = timing.tokens_for(model, args["batch"], args["seq"])
-        report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=plan, vocab_parallel=True)
-        records[label] = Recorder(keep_view=False)
-        raw[label] = _compiled_step(model, tokens, args["inner"], records[label])
-        if plan == "vanilla":
-            raw[label] = _under_loss_parallel(raw[label])
-        steps[label], layers[label], heads[label] = _synced(raw[label]), model.config.n_layers, _head_width(model, report)
-        dims[label] = model.config.dim
-    for family, label in SINGLE.items():
-        model = timing.build_model(presets[family], args["seq"], args["vocab"])
-        tokens = timing.tokens_for(model, args["batch"], args["seq"])
-        steps[label] = _synced(_compiled_step(model, tokens, args["inner"], Recorder(keep_view=False)))
-    times = timing.round_robin(steps, args["repeats"], args["warmup"])
-    tokens_per_step = args["batch"] * args["seq"]
-    profiles = _profile_variants(rank, raw, heads, dims, tokens_per_step) if args["profile"] else {}
-    variants = {}
-    for label, family, plan in VARIANTS:
-        colls = _census(records[label])
-        variants[label] = {
-            "plan": plan,
-            "preset": presets[family],
-            "step_s": statistics.median(times[label]),
-            "times_s": times[label],
-            "tokens": tokens_per_step,
-            "layers": layers[label],
-            "head_width": heads[label],
-            "collectives": {k: len(v) for k, v in colls.items()},
-            "bytes": {k: sum(c["bytes"] or 0 for c in v) for k, v in colls.items()},
+    with _compile_settings(args["profile"]):
+        presets = dict(zip(("dense", "cola"), timing.preset_pair(args["size"]), strict=True))
+        raw, steps, records, layers, heads, dims = {}, {}, {}, {}, {}, {}
+        for label, family, plan in VARIANTS:
+            model = timing.build_model(presets[family], args["seq"], args["vocab"])
+            tokens = timing.tokens_for(model, args["batch"], args["seq"])
+            report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=plan, vocab_parallel=True)
+            records[label] = Recorder(keep_view=False)
+            raw[label] = _compiled_step(model, tokens, args["inner"], records[label])
+            if plan == "vanilla":
+                raw[label] = _under_loss_parallel(raw[label])
+            steps[label], layers[label], heads[label] = _synced(raw[label]), model.config.n_layers, _head_width(model, report)
+            dims[label] = model.config.dim
+        for family, label in SINGLE.items():
+            model = timing.build_model(presets[family], args["seq"], args["vocab"])
+            tokens = timing.tokens_for(model, args["batch"], args["seq"])
+            steps[label] = _synced(_compiled_step(model, tokens, args["inner"], Recorder(keep_view=False)))
+        times = timing.round_robin(steps, args["repeats"], args["warmup"])
+        tokens_per_step = args["batch"] * args["seq"]
+        profiles = _profile_variants(rank, raw, heads, dims, tokens_per_step) if args["profile"] else {}
+        variants = {}
+        for label, family, plan in VARIANTS:
+            colls = _census(records[label])
+            variants[label] = {
+                "plan": plan,
+                "preset": presets[family],
+                "step_s": statistics.median(times[label]),
+                "times_s": times[label],
+                "tokens": tokens_per_step,
+                "layers": layers[label],
+                "head_width": heads[label],
+                "collectives": {k: len(v) for k, v in colls.items()},
+                "bytes": {k: sum(c["bytes"] or 0 for c in v) for k, v in colls.items()},
+            }
+        single = {
+            label: {"preset": presets[family], "step_s": statistics.median(times[label]), "times_s": times[label],
+                    "tokens": tokens_per_step}
+            for family, label in SINGLE.items()
         }
-    single = {
-        label: {"preset": presets[family], "step_s": statistics.median(times[label]), "times_s": times[label], "tokens": tokens_per_step}
-        for family, label in SINGLE.items()
-    }
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump({"threads": threads, "vocab": model.config.vocab_size, "variants": variants, "single": single, "profile": profiles}, f)
-    dist.destroy_process_group()
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump({"threads": threads, "vocab": model.config.vocab_size, "variants": variants, "single": single,
+                           "profile": profiles}, f)
+        dist.destroy_process_group()
 
 
 def scaling(variants: dict[str, dict[str, Any]], single: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -225,7 +234,8 @@ def _variants_table(variants: dict[str, dict[str, Any]]) -> list[str]:
     btp = variants[BTP]
     btp_total = btp["bytes"]["forward"] + btp["bytes"]["backward"]
     lines = [
-        "| variant | step (ms) | min-max (ms) | tokens/s | collectives fwd/bwd | bytes/step fwd | bytes/step bwd | btp speed-up | btp bytes / variant |",
+        ("| variant | step (ms) | min-max (ms) | tokens/s | collectives fwd/bwd | bytes/step fwd | bytes/step bwd | btp speed-up "
+         "| btp bytes / variant |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in variants.items():
@@ -248,7 +258,8 @@ def _scaling_table(variants: dict[str, dict[str, Any]], single: dict[str, dict[s
         "|---|---:|---:|---:|---:|",
     ]
     for label, r in variants.items():
-        lines.append(f"| {label} | {r['step_s'] * 1e3:.1f} | {r['single']}: {r['single_s'] * 1e3:.1f} | {r['perfect_s'] * 1e3:.1f} | {r['x_of_perfect']:.2f} |")
+        lines.append(f"| {label} | {r['step_s'] * 1e3:.1f} | {r['single']}: {r['single_s'] * 1e3:.1f} | "
+                     f"{r['perfect_s'] * 1e3:.1f} | {r['x_of_perfect']:.2f} |")
     lines += ["", "| 1 process | step (ms) | min-max (ms) |", "|---|---:|---:|"]
     for label, r in single.items():
         lines.append(f"| {label} | {r['step_s'] * 1e3:.1f} | {min(r['times_s']) * 1e3:.1f}-{max(r['times_s']) * 1e3:.1f} |")
@@ -260,7 +271,8 @@ def _scaling_table(variants: dict[str, dict[str, Any]], single: dict[str, dict[s
         f"| 1 process: CoLA step / dense step | {s['single_cola_over_dense']:.3f} |",
         f"| 1 process: dense step / CoLA step (CoLA's speed-up) | {s['single_dense_over_cola']:.2f}x |",
         f"| btp speed-up over dense megatron | {s['btp_speedup_over_megatron']:.2f}x |",
-        f"| btp speed-up over dense megatron / 1-process dense:CoLA ratio (>= 1: TP keeps the low-rank advantage) | {s['btp_speedup_over_megatron_per_single_ratio']:.3f} |",
+        (f"| btp speed-up over dense megatron / 1-process dense:CoLA ratio (>= 1: TP keeps the low-rank advantage) "
+         f"| {s['btp_speedup_over_megatron_per_single_ratio']:.3f} |"),
         f"| btp speed-up over CoLA vanilla | {s['btp_speedup_over_vanilla']:.2f}x |",
     ]
     return lines
@@ -290,7 +302,8 @@ def targets(args: argparse.Namespace, variants: dict[str, dict[str, Any]], summa
         Target("btp bytes / dense megatron bytes", dense["btp_bytes_ratio"], 0.9, False),
         Target("btp bytes / vanilla bytes", vanilla["btp_bytes_ratio"], 0.2, False),
         Target("btp x of perfect scaling", summary["btp_x_of_perfect"], 1.3, False),
-        Target("btp speed-up over dense megatron / single-process dense:CoLA ratio", summary["btp_speedup_over_megatron_per_single_ratio"], 1.0, True),
+        Target("btp speed-up over dense megatron / single-process dense:CoLA ratio", summary["btp_speedup_over_megatron_per_single_ratio"],
+               1.0, True),
         Target("btp speed-up over CoLA vanilla", summary["btp_speedup_over_vanilla"], 1.8, True),
     ]
 

@@ -42,7 +42,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-_funcol = torch.ops._c10d_functional
+from boost_compile import _torch_compat as compat
+
+_funcol = compat.functional_collectives()
 
 
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:

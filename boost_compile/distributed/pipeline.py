@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from boost_compile import _torch_compat as compat
+
 #: schedule name -> (PyTorch schedule class name, needs several stages per rank)
 SCHEDULES: dict[str, tuple[str, bool]] = {
     "gpipe": ("ScheduleGPipe", False),
@@ -408,7 +410,7 @@ def split_model(
 
 def stage_module(module: nn.Module) -> LlamaStage | HFLlamaStage:
     """The stage module under a ``torch.compile`` wrapper, if any."""
-    inner = getattr(module, "_orig_mod", module)
+    inner = compat.original_module(module)
     if not isinstance(inner, LlamaStage | HFLlamaStage):
         raise PipelineError(
             f"build_schedule takes stage modules made by split_model (optionally compiled), got {type(inner).__name__}"
@@ -417,10 +419,7 @@ def stage_module(module: nn.Module) -> LlamaStage | HFLlamaStage:
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return any(
-        isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
-        for m in module.modules()
-    )
+    return any(compat.is_compiled_module(m) for m in module.modules())
 
 
 def _example_io(stage: LlamaStage | HFLlamaStage, example: Tensor) -> tuple[Tensor, Tensor]:

@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import torch
 
+from boost_compile import _torch_compat as compat
+
 try:  # Triton is optional: without it every device runs the ATen implementation.
     from boost_compile.kernels import rmsnorm_triton as _triton_kernels
 except ImportError:  # pragma: no cover - depends on the installation
@@ -180,14 +182,14 @@ if HAS_TRITON:
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor | None) -> None:
-    torch._check(
+    compat.check(
         weight is None or (weight.dim() == 1 and weight.shape[0] == x.shape[-1]),
         lambda: f"weight must have shape [{x.shape[-1]}], got {tuple(weight.shape)}",
     )
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    torch._check(
+    compat.check(
         residual.shape == x.shape and residual.dtype == x.dtype,
         lambda: (
             f"residual must match x: got {tuple(residual.shape)} {residual.dtype}, "

@@ -21,13 +21,16 @@ the compiled model in DDP over the ``dp`` dimension (README: why DDP).
 One job per module:
 
 - :mod:`~boost_compile.train.app`: the Hydra app (:func:`main`), :func:`run`, sweep summaries
-- :mod:`~boost_compile.train.config`: the config schema and its validation
-- :mod:`~boost_compile.train.data`: the corpus, byte tokens, per-rank loaders
+- :mod:`~boost_compile.train.config`: the config schema (its choices checked as it is built)
+- :mod:`~boost_compile.train.validate`: the checks the schema cannot express, before anything starts
+- :mod:`~boost_compile.train.data`: the corpus (``sources``), the token cache (``cache``), per-rank loaders (``packing``)
+- :mod:`~boost_compile.train.tokenizer`: bytes, a local tokenizer or a trained BPE
 - :mod:`~boost_compile.train.model`: building (and factorizing) the model
 - :mod:`~boost_compile.train.parallel`: processes, the device mesh, tp, compile, DDP
 - :mod:`~boost_compile.train.pipeline`: pipeline parallelism (``parallel.pp``): stages, step, evaluation
 - :mod:`~boost_compile.train.optim`: the optimizer and learning-rate schedule
-- :mod:`~boost_compile.train.loop`: the trainer: steps, evaluation, gradient clipping
+- :mod:`~boost_compile.train.step`: what both step functions share: gradient clipping, the optimizer tail
+- :mod:`~boost_compile.train.loop`: the trainer: the step, evaluation, logging, checkpoints
 - :mod:`~boost_compile.train.checkpoint`: DCP checkpoints, resuming, signals
 - :mod:`~boost_compile.train.metrics`: progress, peak memory, ``metrics.jsonl``, plots
 """
@@ -49,7 +52,7 @@ from boost_compile.train.checkpoint import (
     resume_source,
 )
 from boost_compile.train.data import load_tokens, make_loaders
-from boost_compile.train.loop import StepOutput, Trainer, clip_grad_norm, evaluate, make_train_step
+from boost_compile.train.loop import Trainer, evaluate, make_train_step
 from boost_compile.train.metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -73,6 +76,7 @@ from boost_compile.train.parallel import (
     setup_distributed,
     wrap_data_parallel,
 )
+from boost_compile.train.step import StepOutput, clip_grad_norm
 
 __all__ = [
     "METRICS_FILE",

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from boost_compile.config import ConfigError
 from boost_compile.train.checkpoint import resume_source
-from boost_compile.train.config import config_dir, env_world_size, register_configs, validate
+from boost_compile.train.config import config_dir, register_configs
 from boost_compile.train.loop import Trainer
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary
 from boost_compile.train.parallel import setup_distributed
+from boost_compile.train.validate import env_world_size, validate
 
 log = logging.getLogger("boost_compile.train")
 

@@ -2,9 +2,10 @@
 
 :meth:`Trainer.fit` sets the run up (data, the model through
 :func:`~boost_compile.train.parallel.build_model_parts`, optimizer, checkpoint,
-resume), makes the step function (:func:`make_train_step`: forward, backward,
-gradient clipping, optimizer and schedule) and hands it to :meth:`Trainer.train`,
-which times steps, logs them, evaluates, checkpoints and stops on a signal.
+resume), makes the step function (:func:`make_train_step`: forward and backward,
+then :mod:`~boost_compile.train.step`'s clipping, optimizer and schedule) and
+hands it to :meth:`Trainer.train`, which times steps, logs them, evaluates,
+checkpoints and stops on a signal.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import random
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
-from boost_compile.train.config import ModelShape, TrainConfig, boost_options
+from boost_compile.train.config import TrainConfig
 from boost_compile.train.data import PackedTokens, load_corpus, make_loaders
 from boost_compile.train.metrics import (
     METRICS_FILE,
@@ -37,66 +37,15 @@ from boost_compile.train.metrics import (
     write_summary,
 )
 from boost_compile.train.model import fit_vocab
-from boost_compile.train.optim import make_optimizer, state_bytes
-from boost_compile.train.parallel import (
-    Dist,
-    ModelParts,
-    build_model_parts,
-    global_numel,
-    is_dtensor,
-)
+from boost_compile.train.optim import make_optimizer
+from boost_compile.train.parallel import Dist, ModelParts, build_model_parts, global_numel
+from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
+from boost_compile.train.validate import ModelShape, boost_options
 
 log = logging.getLogger("boost_compile.train")
 
 
 # ----------------------------------------------------------------------------- one step
-
-
-@dataclass
-class StepOutput:
-    """What one training step reports."""
-
-    loss: float  # averaged over dp
-    lr: float  # the learning rate the step used
-    grad_norm: float | None = None  # before clipping; None without optim.grad_clip
-    state: dict[str, int] | None = None  # the first step's: bytes of params, grads, optimizer state on this rank
-
-
-StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
-
-
-def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
-    """Clip to the global gradient norm; returns it (before clipping).
-
-    With tp, the shards of a parameter count once (their squared norms are summed
-    over the tp group, a replicated parameter's are not); with pp, every stage's
-    squared norm is summed over the pp group, so every stage clips with the whole
-    model's norm.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if dev.tp == 1 and dev.pp == 1:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    sharded = torch.zeros((), device=dev.device, dtype=torch.float32)
-    whole = torch.zeros((), device=dev.device, dtype=torch.float32)
-    for p in params:
-        g = p.grad
-        if is_dtensor(g):
-            whole += torch.linalg.vector_norm(g.float()).full_tensor() ** 2
-            continue
-        spec = getattr(p, "_boost_tp", None)
-        sq = g.detach().float().pow(2).sum()
-        if spec is not None and spec.dim is not None:
-            sharded += sq
-        else:
-            whole += sq
-    if dev.tp > 1:
-        dist.all_reduce(sharded, group=dev.group("tp"))
-    total = dev.sum_over_pp(sharded + whole).sqrt()
-    coef = max_norm / (float(total) + 1e-6)
-    if max_norm > 0 and coef < 1.0:
-        for p in params:
-            p.grad.mul_(coef)
-    return float(total)
 
 
 def make_train_step(
@@ -108,22 +57,15 @@ def make_train_step(
     autocast: Callable[[], Any],
 ) -> StepFn:
     """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule."""
-    model, train_fn = parts.model, parts.train_fn
-    first = [True]
+    train_fn = parts.train_fn
+    tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         with autocast():
             loss = train_fn(inputs, targets)
         loss.backward()
-        grad_norm = clip_grad_norm(model, grad_clip, dev) if grad_clip > 0 else None
-        optimizer.step()
-        state = state_bytes(model, optimizer) if first[0] else None  # gradients and optimizer state all live
-        first[0] = False
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
         loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))  # bf16 up, fp64 kept
-        return StepOutput(loss=float(dev.mean_over_dp(loss)), lr=lr, grad_norm=grad_norm, state=state)
+        return tail(lambda: dev.mean_over_dp(loss))
 
     return step
 
@@ -197,14 +139,19 @@ class Trainer:
 
     def _fit_pipeline(self, train_data: PackedTokens, val_data: PackedTokens) -> dict[str, Any]:
         """``parallel.pp > 1``: this rank's stages, the schedule's step, the pipeline's evaluation."""
-        from boost_compile.train.pipeline import build_pipeline_parts, make_pipeline_step
+        from boost_compile.train.pipeline import (
+            build_pipeline_parts,
+            make_pipeline_step,
+            stage_recompile_limit,
+        )
 
         tc, dev = self.tc, self.dev
-        parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data))
-        assert self.optimizer is not None
-        self._describe(parts.model, parts.total_params)
-        step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
-        return self.train(step, train_data, val_data, parts.eval_fn)
+        with stage_recompile_limit(tc):
+            parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data))
+            assert self.optimizer is not None
+            self._describe(parts.model, parts.total_params)
+            step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
+            return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
         """Optimizer, schedule and checkpointer over ``model``; restore them when resuming."""

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from boost_compile.train.config import ModelConfig, ModelShape, TrainConfig, factorize_config
+from boost_compile.train.config import ModelConfig, TrainConfig
+from boost_compile.train.validate import ModelShape, factorize_config
 
 log = logging.getLogger("boost_compile.train")
 
@@ -56,7 +57,8 @@ def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> Mod
     vocab = padded_vocab(tokenizer_size)
     if vocab == shape.vocab_size:
         return shape
-    log.info("vocab: %s tokens, padded to %s (the model's vocab_size, was %s)", f"{tokenizer_size:,}", f"{vocab:,}", f"{shape.vocab_size:,}")
+    log.info("vocab: %s tokens, padded to %s (the model's vocab_size, was %s)", f"{tokenizer_size:,}", f"{vocab:,}",
+             f"{shape.vocab_size:,}")
     if shape.kind == "preset":
         config = dataclasses.replace(shape.llama_config, vocab_size=vocab)
         return dataclasses.replace(shape, vocab_size=vocab, llama_config=config)

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile.config import ConfigError
-from boost_compile.train.config import ModelShape, TrainConfig, env_world_size
+from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import build_model
+from boost_compile.train.validate import ModelShape, env_world_size
 
 log = logging.getLogger("boost_compile.train")
 

@@ -14,7 +14,7 @@ compiles the model. A training step is ``pipeline_step`` on the schedule, then:
   wrap the stages here: ``build_schedule`` takes the modules ``split_model``
   made (optionally compiled), and PyTorch's ``PipelineStage`` would need the DDP
   module itself to drive its reducer micro-batch by micro-batch;
-* gradient clipping (:func:`~boost_compile.train.loop.clip_grad_norm`): TP
+* gradient clipping (:func:`~boost_compile.train.step.clip_grad_norm`): TP
   shards' squared norms are summed over tp, then every stage's over pp, so
   every rank clips with the whole model's norm;
 * the loss: the last stage's mean micro-batch loss, averaged over dp and summed
@@ -35,6 +35,7 @@ stage's collectives exist only in its compiled graph).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,10 +46,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from boost_compile import _torch_compat as compat
 from boost_compile.config import ConfigError
-from boost_compile.train.config import ModelShape, TrainConfig
+from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model
 from boost_compile.train.parallel import Dist, cast_weights, compile_model
+from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
+from boost_compile.train.validate import ModelShape
 
 log = logging.getLogger("boost_compile.train")
 
@@ -183,6 +187,18 @@ def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc:
         log.info("stage %d: %s", i, report)
 
 
+def stage_recompile_limit(tc: TrainConfig) -> contextlib.AbstractContextManager[None]:
+    """Dynamo's recompile limit raised for this rank's stages while inside (the run), then put back.
+
+    The local stages share their class's forward, whose compiled entries (training and
+    evaluation graphs of each stage) count against one limit."""
+    stages = tc.parallel.stages_per_rank
+    needed = 2 * stages + 2
+    if compat.dynamo_recompile_limit_value() < needed:
+        log.info("raising Dynamo's recompile_limit to %d for %d stages of one class", needed, stages)
+    return compat.dynamo_recompile_limit(needed)
+
+
 def build_pipeline_parts(
     tc: TrainConfig,
     shape: ModelShape,
@@ -191,7 +207,7 @@ def build_pipeline_parts(
     before_compile: Callable[[nn.Module], None] | None = None,
 ) -> PipelineParts:
     """Build the model, keep this rank's stages, shard them over tp, cast, bind (``before_compile``),
-    compile, schedule."""
+    compile, schedule. Run it, and the steps, inside ``stage_recompile_limit(tc)``."""
     from boost_compile.distributed.pipeline import (
         PipelineError,
         build_schedule,
@@ -221,12 +237,6 @@ def build_pipeline_parts(
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)
-    # the local stages share their class's forward, whose compiled entries (training and evaluation
-    # graphs of each stage) count against one Dynamo recompile limit
-    needed = 2 * len(stages) + 2
-    if torch._dynamo.config.recompile_limit < needed:
-        log.info("raising Dynamo's recompile_limit to %d for %d stages of one class", needed, len(stages))
-        torch._dynamo.config.recompile_limit = needed
     compiled = [compile_model(stage, tc, dynamic=False) for stage in stages]
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     loss = loss_fn
@@ -274,28 +284,18 @@ def make_pipeline_step(
     grad_clip: float,
     dev: Dist,
     autocast: Callable[[], Any],
-) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.loop.StepOutput`."""
+) -> StepFn:
+    """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.step.StepOutput`."""
     from boost_compile.distributed.pipeline import pipeline_step
-    from boost_compile.train.loop import StepOutput, clip_grad_norm
-    from boost_compile.train.optim import state_bytes
 
     params = list(parts.model.parameters())
-    first = [True]
+    tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         with autocast():
             loss = pipeline_step(parts.schedule, inputs, targets)
         average_over_dp(params, dev)
-        grad_norm = clip_grad_norm(parts.model, grad_clip, dev) if grad_clip > 0 else None
-        optimizer.step()
-        state = state_bytes(parts.model, optimizer) if first[0] else None
-        first[0] = False
-        optimizer.zero_grad(set_to_none=True)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
         value = loss.float() if loss is not None else torch.zeros((), device=dev.device)
-        value = dev.sum_over_pp(dev.mean_over_dp(value))
-        return StepOutput(loss=float(value), lr=lr, grad_norm=grad_norm, state=state)
+        return tail(lambda: dev.sum_over_pp(dev.mean_over_dp(value)))
 
     return step

@@ -34,6 +34,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import Tensor
+
 log = logging.getLogger("boost_compile.train")
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -81,6 +84,26 @@ def parse_spec(spec: str) -> tuple[str, Any]:
         f"data.tokenizer={spec!r} is not 'bytes', 'bpe:<vocab>' (bpe:2048) or an existing "
         f"{TOKENIZER_FILE} / folder holding one"
     )
+
+
+class ByteTokenizer:
+    """Bytes are tokens: ids 0..255, no special tokens; :meth:`Tokenizer.bytes`'s ids, as tensors."""
+
+    vocab_size: int = BYTE_VOCAB
+
+    def encode(self, text: str | bytes) -> Tensor:
+        """UTF-8 bytes of ``text`` as a 1-D int64 tensor."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        if not data:
+            return torch.empty(0, dtype=torch.long)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    def decode(self, ids: Tensor | Sequence[int]) -> str:
+        """Text of a sequence of byte ids; invalid UTF-8 becomes U+FFFD."""
+        values = ids.flatten().tolist() if isinstance(ids, Tensor) else list(ids)
+        if any(not 0 <= v < self.vocab_size for v in values):
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
+        return bytes(values).decode("utf-8", errors="replace")
 
 
 def _tokenizers() -> Any:

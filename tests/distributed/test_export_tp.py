@@ -39,7 +39,7 @@ def _tp_worker(rank: int, world: int, folder: str, port: int) -> None:
         make_optimizer,
         setup_distributed,
     )
-    from boost_compile.train.config import validate
+    from boost_compile.train.validate import validate
 
     root = Path(folder)
     tc, shape = validate(OmegaConf.load(root / ".hydra" / "config.yaml"), world_size=world)
@@ -65,7 +65,7 @@ def _tp_worker(rank: int, world: int, folder: str, port: int) -> None:
         dist.destroy_process_group()
 
 def test_tp2_checkpoint_exports_the_gathered_model(tmp_path):
-    from boost_compile.train.config import tp_available
+    from boost_compile.train.validate import tp_available
 
     if not tp_available():
         pytest.skip("boost_compile.parallelize_ is not in this build")

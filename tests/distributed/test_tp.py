@@ -38,7 +38,8 @@ SCENARIOS = [
     {"name": "cola-btp-ckpt-full", "model": "tiny:4", "plan": "btp", "checkpoint": "full", "steps": 1},
     {"name": "cola-btp-separate", "model": "tiny:4", "plan": "btp", "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
     {"name": "cola-btp-bf16", "model": "tiny:4", "plan": "btp", "dtype": "bfloat16", "steps": 1},
-    {"name": "cola-btp-bf16-separate", "model": "tiny:4", "plan": "btp", "dtype": "bfloat16", "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
+    {"name": "cola-btp-bf16-separate", "model": "tiny:4", "plan": "btp", "dtype": "bfloat16",
+     "options": {"tp": {"norm_statistic": "separate"}}, "steps": 1},
     # the vocabulary-parallel head and loss (the default under btp and megatron): a vocabulary the
     # TP degree does not divide (255: each rank holds 128 columns, the last one padding), a Hugging
     # Face model whose loss (view(-1, vocab_size), cross_entropy) is in the graph, PyTorch's own

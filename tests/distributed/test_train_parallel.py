@@ -18,7 +18,7 @@ from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_referenc
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, run
-from boost_compile.train.config import tp_available, validate
+from boost_compile.train.validate import tp_available, validate
 
 ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
 DP2 = (*ONE, "parallel=dp2")

@@ -26,7 +26,7 @@ CASES = [(v, reduction, ignore) for v in (8, 7, 3) for reduction in ("mean", "su
 
 def _worker(rank: int, world: int, store: str, out: str) -> None:
     from boost_compile.distributed import collectives as c
-    from boost_compile.distributed.parallelize import shard_tensor
+    from boost_compile.distributed.shard import shard_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     group = dist.group.WORLD.group_name
@@ -92,7 +92,7 @@ def test_padded_gather(results):
 
 
 def test_shard_and_gather_round_trip():
-    from boost_compile.distributed.parallelize import shard_tensor
+    from boost_compile.distributed.shard import shard_tensor
 
     x = torch.arange(21.0).view(3, 7)
     parts = [shard_tensor(x, 1, 2, r, pad=True) for r in range(2)]

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from boost_compile.bench import calibrate, cli, pp, scale
+from boost_compile.bench import calibrate, cli, hardware, pp, scale_model
 
 
 def test_ratios_against_the_baseline():
@@ -28,10 +28,10 @@ def test_calibrate_quick_writes_a_loadable_measured_file(tmp_path):
     path = tmp_path / "cpu.json"
     cli.main(["calibrate", "--quick", "--out", str(path)])
     raw = json.loads(path.read_text())
-    hw = scale.load_hardware(str(path))
+    hw = hardware.load_hardware(str(path))
     assert hw.name == "cpu" and hw.measured["command"] == f"boost-bench calibrate --quick --out {path}"
     assert hw.measured["threads"] == "1" and hw.measured["processes"] == "2"
-    for key in (*scale.HARDWARE_FIELDS, "p2p_latency"):
+    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency"):
         entry = raw[key]
         if entry["measured"]:
             assert entry["command"] == hw.measured["command"] and entry["date"] and entry["machine"] and entry["source"]
@@ -67,11 +67,11 @@ def test_fit_link_alpha_and_bandwidth():
     assert bare["latency"] == pytest.approx(4096 / 2e9) and bare["bandwidth"] == pytest.approx(2e9)
 
 def test_fit_gemm_recovers_the_curve():
-    hw = scale.Hardware("synthetic", peak_flops=1e11, hbm_bandwidth=1, nvlink_bandwidth=1, allreduce_bus_bandwidth=1,
+    hw = hardware.Hardware("synthetic", peak_flops=1e11, hbm_bandwidth=1, nvlink_bandwidth=1, allreduce_bus_bandwidth=1,
                         p2p_bandwidth=1, collective_latency=1, gemm_max_efficiency=0.9, gemm_half_intensity=5.0,
                         gemm_tile=1, attention_efficiency=0.5, attention_head_dim_multiple=1, elementwise_efficiency=1)
     shapes = [(4096, 128, 512), (4096, 512, 64), (1024, 64, 512), (256, 512, 1376), (64, 128, 128)]
-    gemms = [{"m": m, "k": k, "n": n, "seconds": 3 * scale.gemm_time(m, k, n, hw, 4)} for m, k, n in shapes]
+    gemms = [{"m": m, "k": k, "n": n, "seconds": 3 * scale_model.gemm_time(m, k, n, hw, 4)} for m, k, n in shapes]
     # a square GEMM slower than the fitted ceiling: the peak becomes the ceiling
     fit = calibrate.fit_gemm(gemms, peak_seconds=1.0, peak_n=64)
     assert fit["peak_flops"] * fit["gemm_max_efficiency"] == pytest.approx(0.9e11)
@@ -81,7 +81,7 @@ def test_fit_gemm_recovers_the_curve():
     fast = calibrate.fit_gemm(gemms, peak_seconds=3 * 2 * 64**3 / 1e11, peak_n=64)
     assert fast["peak_flops"] == pytest.approx(1e11) and fast["gemm_max_efficiency"] == pytest.approx(0.9)
     # times without a ceiling (proportional to 1 / intensity): one constant rate, no division by zero
-    bound = [{**g, "seconds": 1e-9 * g["m"] * g["k"] * g["n"] / scale.gemm_intensity(g["m"], g["k"], g["n"], 4)} for g in gemms]
+    bound = [{**g, "seconds": 1e-9 * g["m"] * g["k"] * g["n"] / scale_model.gemm_intensity(g["m"], g["k"], g["n"], 4)} for g in gemms]
     flat = calibrate.fit_gemm(bound, peak_seconds=1.0, peak_n=64)
     assert flat["gemm_half_intensity"] == 0 and 0 < flat["gemm_max_efficiency"] <= 1
 

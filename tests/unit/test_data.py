@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from boost_compile.train.data import ByteTokenizer, PackedTokens, split, stdlib_text, stdlib_tokens
+from boost_compile.train.data import PackedTokens, split, stdlib_text, stdlib_tokens
+from boost_compile.train.tokenizer import ByteTokenizer
 
 
 def test_stdlib_text_is_real_deterministic_text():

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from boost_compile.export import EXPORT_FILE, export, load_exported, load_trained, main, resolve
 from boost_compile.models import Llama, LlamaConfig
 from boost_compile.train import run
-from boost_compile.train.config import model_shape
 from boost_compile.train.model import build_model, fit_vocab
+from boost_compile.train.validate import model_shape
 
 QUICK = (*FAST, "passes=none", "trainer.steps=2")
 

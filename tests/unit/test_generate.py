@@ -17,7 +17,7 @@ import boost_compile.backend as backend
 from boost_compile.config import ConfigError
 from boost_compile.export import load_trained
 from boost_compile.generate import Generator, load_generator, main, next_token
-from boost_compile.train.data import ByteTokenizer
+from boost_compile.train.tokenizer import ByteTokenizer
 
 PROMPT = "def main("
 

@@ -41,7 +41,8 @@ def gemm_count(op_counts: dict[str, int]) -> int:
 
 def check_parity(model: nn.Module, inputs, inner: str = "aot_eager", loss_fn=None, **options):
     """The parity rule (conftest) for the compiled model; its one graph's record."""
-    loss_fn = loss_fn or (lambda out: upcast(out).pow(2).mean() if isinstance(out, torch.Tensor) else sum(upcast(o).pow(2).mean() for o in out))
+    loss_fn = loss_fn or (lambda out: upcast(out).pow(2).mean() if isinstance(out, torch.Tensor)
+                          else sum(upcast(o).pow(2).mean() for o in out))
     return check_recorded_compile(model, lambda m: compile_recorded(m, inner, **options), loss_fn, inputs)
 
 

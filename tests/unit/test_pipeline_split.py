@@ -178,8 +178,8 @@ def test_schedule_refusals(tmp_path):
         compiled = [torch.compile(s, backend="boost") for s in two]
         with pytest.raises(PipelineError, match="compiled stage"):
             build_schedule(compiled, [0, 1], 2, group, 2, "zero_bubble", None, tokens)
-        from boost_compile.distributed.parallelize import VocabShard
         from boost_compile.distributed.pipeline import VocabParallelLoss, vocab_parallel_loss
+        from boost_compile.distributed.shard import VocabShard
 
         with pytest.raises(PipelineError, match="returns whole logits: vocab_parallel_loss is for a last stage"):
             build_schedule(one, [0], 1, group, 2, "gpipe", VocabParallelLoss(VocabShard("0", 1, 0, 256)), tokens[:1])

@@ -1,4 +1,4 @@
-"""Every way of writing an RMSNorm is one site, matched by value (analysis.py).
+"""Every way of writing an RMSNorm is one site, matched by value (analysis/norm_match.py).
 
 One tiny module per spelling: a norm with a weight, then an ``nn.Linear``
 (d = 32). The analysis must find exactly one site with the right form, weight,

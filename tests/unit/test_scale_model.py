@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from boost_compile.bench import PAPER_SHAPES, bytes_per_layer, scale
-from boost_compile.bench.scale import Gemm, Shape, Workload
+from boost_compile.bench import PAPER_SHAPES, bytes_per_layer, hardware, scale, scale_model
+from boost_compile.bench.scale_model import Gemm, Shape, Workload
 
 #: made-up hardware with round numbers
-TOY_HW = scale.Hardware(
+TOY_HW = hardware.Hardware(
     name="toy",
     peak_flops=1e12,
     hbm_bandwidth=1e11,
@@ -36,34 +36,34 @@ TOY = Shape("toy", d=64, d_ff=128, layers=4, heads=4, vocab=100)
 
 
 def test_flops_by_hand():
-    assert scale.linear_flops(10, 64, 32) == 2 * 10 * 64 * 32 == 40960
+    assert scale_model.linear_flops(10, 64, 32) == 2 * 10 * 64 * 32 == 40960
     # 4 b s^2 w, half of it under the causal mask
-    assert scale.attention_flops(2, 8, 16, 0.5) == 4 * 2 * 8 * 8 * 16 / 2 == 4096
-    assert scale.attention_flops(2, 8, 16, 1.0) == 8192
+    assert scale_model.attention_flops(2, 8, 16, 0.5) == 4 * 2 * 8 * 8 * 16 / 2 == 4096
+    assert scale_model.attention_flops(2, 8, 16, 1.0) == 8192
 
 
 def test_gemm_efficiency_by_hand():
     # [64, 32] x [32, 16], bf16: 2*64*32*16 FLOPs over 2*(64*32 + 32*16 + 64*16) bytes
     intensity = (2 * 64 * 32 * 16) / (2 * (64 * 32 + 32 * 16 + 64 * 16))
     assert intensity == pytest.approx(32768 / 3584)
-    assert scale.gemm_intensity(64, 32, 16) == pytest.approx(intensity)
-    assert scale.gemm_efficiency(64, 32, 16, TOY_HW) == pytest.approx(
+    assert scale_model.gemm_intensity(64, 32, 16) == pytest.approx(intensity)
+    assert scale_model.gemm_efficiency(64, 32, 16, TOY_HW) == pytest.approx(
         0.8 * intensity / (intensity + 10)
     )
     # n = 24 fills one and a half 16-tiles: 24 of 32 columns are useful
     intensity = (64 * 32 * 24) / (64 * 32 + 32 * 24 + 64 * 24)
-    assert scale.gemm_efficiency(64, 32, 24, TOY_HW) == pytest.approx(
+    assert scale_model.gemm_efficiency(64, 32, 24, TOY_HW) == pytest.approx(
         0.8 * intensity / (intensity + 10) * 24 / 32
     )
     # time = FLOPs / (peak * efficiency)
-    eff = scale.gemm_efficiency(64, 32, 16, TOY_HW)
-    assert scale.gemm_time(64, 32, 16, TOY_HW) == pytest.approx(2 * 64 * 32 * 16 / (1e12 * eff))
+    eff = scale_model.gemm_efficiency(64, 32, 16, TOY_HW)
+    assert scale_model.gemm_time(64, 32, 16, TOY_HW) == pytest.approx(2 * 64 * 32 * 16 / (1e12 * eff))
 
 
 def test_tile_fill():
-    assert scale.tile_fill(128, 64) == 1.0
-    assert scale.tile_fill(800, 64) == 800 / 832
-    assert scale.tile_fill(400, 128) == 400 / 512
+    assert scale_model.tile_fill(128, 64) == 1.0
+    assert scale_model.tile_fill(800, 64) == 800 / 832
+    assert scale_model.tile_fill(400, 128) == 400 / 512
 
 
 def test_gemm_efficiency_monotone_and_capped():
@@ -74,22 +74,22 @@ def test_gemm_efficiency_monotone_and_capped():
             for size in sizes:
                 dims = [fixed, fixed, fixed]
                 dims[vary] = size
-                effs.append(scale.gemm_efficiency(*dims, TOY_HW))
+                effs.append(scale_model.gemm_efficiency(*dims, TOY_HW))
             assert all(a < b for a, b in zip(effs[:-1], effs[1:], strict=True)), (fixed, vary)
             assert all(0 < e < TOY_HW.gemm_max_efficiency for e in effs)
     big = 2**20
-    assert scale.gemm_efficiency(big, big, big, TOY_HW) == pytest.approx(0.8, rel=1e-3)
+    assert scale_model.gemm_efficiency(big, big, big, TOY_HW) == pytest.approx(0.8, rel=1e-3)
 
 
 def test_attention_time_pads_the_head_dim():
     # 1e12 FLOPs at half of 1e12 FLOP/s: 2 s; head dim 100 runs the 128 kernel: x 128/100
-    assert scale.attention_time(1e12, 64, TOY_HW) == pytest.approx(2.0)
-    assert scale.attention_time(1e12, 100, TOY_HW) == pytest.approx(2.0 * 128 / 100)
+    assert scale_model.attention_time(1e12, 64, TOY_HW) == pytest.approx(2.0)
+    assert scale_model.attention_time(1e12, 100, TOY_HW) == pytest.approx(2.0 * 128 / 100)
 
 
 def test_elementwise_time():
     # 1 GB through 1e11 B/s at half efficiency
-    assert scale.elementwise_time(1e9, TOY_HW) == pytest.approx(1e9 / (1e11 * 0.5)) == 0.02
+    assert scale_model.elementwise_time(1e9, TOY_HW) == pytest.approx(1e9 / (1e11 * 0.5)) == 0.02
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -97,11 +97,11 @@ def test_elementwise_time():
 
 def test_allreduce_alpha_beta_by_hand():
     # 3 collectives, 1 GB in all, ring of 4 at 10 GB/s: 3 * 10 us + 2 * 3/4 * 1e9 / 1e10
-    assert scale.allreduce_time(3, 1e9, 4, TOY_HW) == pytest.approx(3e-5 + 0.15)
-    assert scale.allreduce_time(1, 1e9, 2, TOY_HW) == pytest.approx(1e-5 + 0.1)
-    assert scale.allgather_time(1, 1e9, 4, TOY_HW) == pytest.approx(1e-5 + 0.075)
-    assert scale.allreduce_time(3, 1e9, 1, TOY_HW) == 0.0
-    assert scale.allgather_time(3, 1e9, 1, TOY_HW) == 0.0
+    assert scale_model.allreduce_time(3, 1e9, 4, TOY_HW) == pytest.approx(3e-5 + 0.15)
+    assert scale_model.allreduce_time(1, 1e9, 2, TOY_HW) == pytest.approx(1e-5 + 0.1)
+    assert scale_model.allgather_time(1, 1e9, 4, TOY_HW) == pytest.approx(1e-5 + 0.075)
+    assert scale_model.allreduce_time(3, 1e9, 1, TOY_HW) == 0.0
+    assert scale_model.allgather_time(3, 1e9, 1, TOY_HW) == 0.0
 
 
 @pytest.mark.parametrize("tokens", [10, 16384])
@@ -109,7 +109,7 @@ def test_forward_payload_equals_bench_bytes_per_layer(tokens):
     for name, d, d_ff, layers, heads in [*PAPER_SHAPES, ("toy", 64, 128, 4, 4)]:
         shape = Shape(name, d, d_ff, layers, heads)
         ref = bytes_per_layer(tokens, d, d_ff, d // 4)
-        got = {s: scale.layer_collectives(s, shape, tokens) for s in scale.SYSTEMS}
+        got = {s: scale_model.layer_collectives(s, shape, tokens) for s in scale_model.SYSTEMS}
         assert got["full-rank"].fwd_bytes == ref.full_rank
         assert got["vanilla"].fwd_bytes == ref.vanilla
         assert got["btp"].fwd_bytes == ref.btp
@@ -123,7 +123,7 @@ def test_forward_payload_equals_bench_bytes_per_layer(tokens):
 
 
 def test_vanilla_backward_payload_by_hand():
-    c = scale.layer_collectives("vanilla", TOY, 10)
+    c = scale_model.layer_collectives("vanilla", TOY, 10)
     assert (
         c.fwd_bytes == 10 * (5 * 64 + 2 * 128) * 2 == 11520
     )  # outputs: q k v o down [T, d], gate up [T, d_ff]
@@ -133,17 +133,17 @@ def test_vanilla_backward_payload_by_hand():
 
 
 def test_no_communication_without_tp():
-    for shape in (*scale.SHAPES, TOY):
-        for system in scale.SYSTEMS:
-            pred = scale.predict(shape, system, tp=1, hw=TOY_HW)
+    for shape in (*scale_model.SHAPES, TOY):
+        for system in scale_model.SYSTEMS:
+            pred = scale_model.predict(shape, system, tp=1, hw=TOY_HW)
             assert pred.comm_s == pred.comm_gb == pred.ring_gb_per_rank == pred.collectives == 0
-            layer = scale.layer_cost(system, shape, 1, 8, 1, TOY_HW, Workload())
+            layer = scale_model.layer_cost(system, shape, 1, 8, 1, TOY_HW, Workload())
             assert layer.comm_s == layer.comm_bytes == layer.collectives == 0
 
 
 def test_layer_comm_time_by_hand():
     # btp, p = 2, 10 tokens: 4 all-reduces of 7 * 10 * 16 * 2 B in all, each direction
-    cost = scale.layer_cost("btp", TOY, 1, 10, 2, TOY_HW, Workload())
+    cost = scale_model.layer_cost("btp", TOY, 1, 10, 2, TOY_HW, Workload())
     per_direction = 4 * 1e-5 + 2 * (1 / 2) * (7 * 10 * 16 * 2) / 1e10
     assert cost.comm_s == pytest.approx(2 * per_direction)
     assert cost.collectives == 8 and cost.comm_bytes == 2 * 2240
@@ -154,17 +154,17 @@ def test_layer_comm_time_by_hand():
 
 def test_layer_gemms_by_hand():
     # toy at p = 2: 2 local heads (32 wide), d_ff slice 64, rank 16 (vanilla: 8 per rank)
-    assert scale.layer_gemms("full-rank", TOY, 10, 2) == [
+    assert scale_model.layer_gemms("full-rank", TOY, 10, 2) == [
         Gemm(10, 64, 96),  # fused q/k/v, local heads
         Gemm(10, 32, 64),  # o, row-parallel
         Gemm(10, 64, 128),  # fused gate/up, d_ff slice
         Gemm(10, 64, 64),  # down, row-parallel
     ]
-    vanilla = scale.layer_gemms("vanilla", TOY, 10, 2)
+    vanilla = scale_model.layer_gemms("vanilla", TOY, 10, 2)
     assert vanilla[:2] == [Gemm(10, 64, 8), Gemm(10, 8, 64)]  # q: A on r/p, B back to full d
     assert vanilla[-2:] == [Gemm(10, 128, 8), Gemm(10, 8, 64)]  # down: from d_ff
     assert len(vanilla) == 14
-    btp = scale.layer_gemms("btp", TOY, 10, 2)
+    btp = scale_model.layer_gemms("btp", TOY, 10, 2)
     assert btp[0] == Gemm(10, 32, 48)  # grouped q/k/v down factors: d/p in, 3r out
     assert btp[1:4] == [Gemm(10, 16, 32)] * 3  # q/k/v up factors: local heads
     assert btp[6] == Gemm(10, 32, 32)  # grouped gate/up down factors
@@ -172,11 +172,11 @@ def test_layer_gemms_by_hand():
     assert len(btp) == 11
 
     def total(gemms):
-        return sum(scale.linear_flops(g.m, g.k, g.n) for g in gemms)
+        return sum(scale_model.linear_flops(g.m, g.k, g.n) for g in gemms)
 
     # every system divides the GEMM work of its model by p
     assert (
-        total(scale.layer_gemms("full-rank", TOY, 10, 2))
+        total(scale_model.layer_gemms("full-rank", TOY, 10, 2))
         == 2 * 10 * (4 * 64 * 64 + 3 * 64 * 128) / 2
     )
     lowrank = 2 * 10 * 16 * (4 * (64 + 64) + 3 * (64 + 128)) / 2
@@ -184,9 +184,9 @@ def test_layer_gemms_by_hand():
 
 
 def test_attention_heads():
-    assert scale.attention_heads("vanilla", TOY, 4) == 4  # duplicated on every rank
-    assert scale.attention_heads("btp", TOY, 4) == scale.attention_heads("full-rank", TOY, 4) == 1
-    assert scale.attention_heads("btp", Shape("30B", 6656, 17920, 60, 52), 8) == 7  # ceil(52 / 8)
+    assert scale_model.attention_heads("vanilla", TOY, 4) == 4  # duplicated on every rank
+    assert scale_model.attention_heads("btp", TOY, 4) == scale_model.attention_heads("full-rank", TOY, 4) == 1
+    assert scale_model.attention_heads("btp", Shape("30B", 6656, 17920, 60, 52), 8) == 7  # ceil(52 / 8)
 
 
 def test_layer_elementwise_bytes_by_hand():
@@ -199,23 +199,23 @@ def test_layer_elementwise_bytes_by_hand():
         * tokens
         * e
     )
-    assert scale.layer_elementwise_bytes("full-rank", TOY, tokens, 2) == full == 43520
-    assert scale.layer_elementwise_bytes("vanilla", TOY, tokens, 2) == vanilla == 76000
-    assert scale.layer_elementwise_bytes("btp", TOY, tokens, 2) == btp == 51840
+    assert scale_model.layer_elementwise_bytes("full-rank", TOY, tokens, 2) == full == 43520
+    assert scale_model.layer_elementwise_bytes("vanilla", TOY, tokens, 2) == vanilla == 76000
+    assert scale_model.layer_elementwise_bytes("btp", TOY, tokens, 2) == btp == 51840
     # no TP: no online-RMSNorm rescale
     btp1 = (2 * 64 * 5 + 2 * 64 * 6 + 2 * 64 * 4 + 128 * 8 + 7 * 16 * 5 + 5 * 16 * 2) * tokens * e
-    assert scale.layer_elementwise_bytes("btp", TOY, tokens, 1) == btp1
+    assert scale_model.layer_elementwise_bytes("btp", TOY, tokens, 1) == btp1
 
 
 def test_layer_params_by_hand():
     assert (
-        scale.layer_params("full-rank", TOY, 2)
+        scale_model.layer_params("full-rank", TOY, 2)
         == (4 * 64 * 64 + 3 * 64 * 128) / 2 + 2 * 64
         == 20608
     )
     factors = 16 * (4 * (64 + 64) + 3 * (64 + 128)) / 2
-    assert scale.layer_params("vanilla", TOY, 2) == factors + 2 * 64 == 8832  # norms replicated
-    assert scale.layer_params("btp", TOY, 2) == factors + 2 * 64 / 2 == 8768  # norms d-sharded
+    assert scale_model.layer_params("vanilla", TOY, 2) == factors + 2 * 64 == 8832  # norms replicated
+    assert scale_model.layer_params("btp", TOY, 2) == factors + 2 * 64 / 2 == 8768  # norms d-sharded
 
 
 # ----------------------------------------------------------------------------- assembly and pipeline
@@ -223,21 +223,21 @@ def test_layer_params_by_hand():
 
 def test_iteration_is_the_sum_of_its_parts():
     wl = Workload(seq=8, batch=2)
-    for system in scale.SYSTEMS:
-        pred = scale.predict(TOY, system, 2, 1, TOY_HW, wl)
+    for system in scale_model.SYSTEMS:
+        pred = scale_model.predict(TOY, system, 2, 1, TOY_HW, wl)
         parts = pred.gemm_s + pred.attention_s + pred.elementwise_s + pred.comm_s + pred.optimizer_s
         assert pred.iteration_s == pytest.approx(parts)
-        layer = scale.layer_cost(system, TOY, 2, 8, 2, TOY_HW, wl)
-        head = scale.head_cost(system, TOY, 16, 2, TOY_HW, wl)
+        layer = scale_model.layer_cost(system, TOY, 2, 8, 2, TOY_HW, wl)
+        head = scale_model.head_cost(system, TOY, 16, 2, TOY_HW, wl)
         assert pred.comm_s == pytest.approx(4 * layer.comm_s + head.comm_s)
         assert pred.comm_gb == pytest.approx((4 * layer.comm_bytes + 2 * 16 * 64 * 2) / 1e9)
 
 
 def test_pipeline_one_micro_batch_runs_the_stages_in_turn():
     wl = Workload(seq=8, batch=2)
-    for system in scale.SYSTEMS:
-        one = scale.predict(TOY, system, 2, 1, TOY_HW, wl)
-        two = scale.predict(TOY, system, 2, 2, TOY_HW, wl)
+    for system in scale_model.SYSTEMS:
+        one = scale_model.predict(TOY, system, 2, 1, TOY_HW, wl)
+        two = scale_model.predict(TOY, system, 2, 2, TOY_HW, wl)
         # one activation down, one gradient up: [16, 64] bf16, or at TP 2 btp's d-slice [16, 32]
         width = 32 if system == "btp" else 64
         p2p = 2 * 1 * (2 * 8 * width * 2) / 5e9
@@ -249,22 +249,22 @@ def test_pipeline_one_micro_batch_runs_the_stages_in_turn():
 
 def test_pipeline_1f1b_with_micro_batches():
     wl = Workload(seq=8, batch=4, micro_batches=2)
-    layer = scale.layer_cost("btp", TOY, 2, 8, 2, TOY_HW, wl)  # micro-batch of 2 sequences
-    head = scale.head_cost("btp", TOY, 16, 2, TOY_HW, wl)
+    layer = scale_model.layer_cost("btp", TOY, 2, 8, 2, TOY_HW, wl)  # micro-batch of 2 sequences
+    head = scale_model.head_cost("btp", TOY, 16, 2, TOY_HW, wl)
     stages = [2 * layer.total_s, 2 * layer.total_s + head.total_s]  # 4 layers over 2 stages
     p2p = 2 * 1 * 16 * 32 * 2 / 5e9  # btp at TP 2 sends [16, d/2]
-    pred = scale.predict(TOY, "btp", 2, 2, TOY_HW, wl)
+    pred = scale_model.predict(TOY, "btp", 2, 2, TOY_HW, wl)
     # t = sum_i t_i + (m - 1) max_i t_i + 2 (pp - 1) t_p2p + t_opt
     assert pred.iteration_s == pytest.approx(sum(stages) + 1 * max(stages) + p2p + pred.optimizer_s)
     assert pred.bubble_s == pytest.approx(stages[0] + p2p)  # the last stage waits for the first
     assert pred.micro_batches == 2
     # without a pipeline the batch is one micro-batch
-    assert scale.predict(TOY, "btp", 2, 1, TOY_HW, wl).micro_batches == 1
+    assert scale_model.predict(TOY, "btp", 2, 1, TOY_HW, wl).micro_batches == 1
 
 
 def test_stage_layers():
-    assert scale.stage_layers(40, 2) == [20, 20]
-    assert scale.stage_layers(26, 4) == [7, 7, 6, 6]
+    assert scale_model.stage_layers(40, 2) == [20, 20]
+    assert scale_model.stage_layers(26, 4) == [7, 7, 6, 6]
 
 
 # ----------------------------------------------------------------------------- head modes
@@ -278,8 +278,8 @@ def _replicated_minus_vocab_parallel(system, shape, tokens, p, hw):
     rows of the vocabulary."""
     v, d = shape.vocab, shape.d
     vl = -(-v // p)
-    gemm = 3 * (scale.gemm_time(tokens, d, v, hw) - scale.gemm_time(tokens, d, vl, hw))
-    loss = scale.elementwise_time(28 * tokens * (v - vl), hw)
+    gemm = 3 * (scale_model.gemm_time(tokens, d, v, hw) - scale_model.gemm_time(tokens, d, vl, hw))
+    loss = scale_model.elementwise_time(28 * tokens * (v - vl), hw)
     payload = tokens * d * 2
     alpha, busbw = hw.collective_latency, hw.allreduce_bus_bandwidth
     # btp, vocab-parallel: all-gather + reduce-scatter; replicated: the all-gather only
@@ -289,35 +289,35 @@ def _replicated_minus_vocab_parallel(system, shape, tokens, p, hw):
     else:  # vocab-parallel: two all-reduces of [T, d]; replicated: none
         comm = -2 * (alpha + 2 * (p - 1) / p * payload / busbw)
         extra_params = 2 * (v - vl) * d  # the lm_head and the embedding, whole on every rank
-    optimizer = scale.elementwise_time(28 * extra_params, hw)
+    optimizer = scale_model.elementwise_time(28 * extra_params, hw)
     return gemm + loss + comm + optimizer
 
 
-SEVEN_B = next(s for s in scale.SHAPES if s.name == "7B")
+SEVEN_B = next(s for s in scale_model.SHAPES if s.name == "7B")
 
 
 @pytest.mark.parametrize(
     ("shape", "hw", "wl"),
     [
         (TOY, TOY_HW, Workload(seq=8, batch=2)),
-        (SEVEN_B, scale.load_hardware("a100-80gb-nvlink"), Workload()),
+        (SEVEN_B, hardware.load_hardware("a100-80gb-nvlink"), Workload()),
     ],
     ids=["toy", "7B-a100"],
 )
 def test_head_modes(shape, hw, wl):
     tokens = wl.seq * wl.batch
-    for system in scale.SYSTEMS:
+    for system in scale_model.SYSTEMS:
         # without TP the two modes are one computation
-        one = {h: scale.predict(shape, system, 1, 1, hw, wl, head=h) for h in scale.HEADS}
+        one = {h: scale_model.predict(shape, system, 1, 1, hw, wl, head=h) for h in scale_model.HEADS}
         assert one["replicated"] == one["vocab_parallel"]
-        assert scale.head_cost(system, shape, tokens, 1, hw, wl, "replicated") == scale.head_cost(
+        assert scale_model.head_cost(system, shape, tokens, 1, hw, wl, "replicated") == scale_model.head_cost(
             system, shape, tokens, 1, hw, wl, "vocab_parallel"
         )
         for p in (2, 4, 8):
-            vp = scale.predict(shape, system, p, 1, hw, wl, head="vocab_parallel")
-            rep = scale.predict(shape, system, p, 1, hw, wl, head="replicated")
+            vp = scale_model.predict(shape, system, p, 1, hw, wl, head="vocab_parallel")
+            rep = scale_model.predict(shape, system, p, 1, hw, wl, head="replicated")
             # the default is the vocab-parallel head
-            assert scale.predict(shape, system, p, 1, hw, wl) == vp
+            assert scale_model.predict(shape, system, p, 1, hw, wl) == vp
             expected = _replicated_minus_vocab_parallel(system, shape, tokens, p, hw)
             assert rep.iteration_s - vp.iteration_s == pytest.approx(expected, rel=1e-9, abs=1e-15)
             # collectives the replicated head drops: btp's reduce-scatter, full's and vanilla's two all-reduces
@@ -331,10 +331,10 @@ def test_head_modes(shape, hw, wl):
 
 def test_replicated_head_stage_params_by_hand():
     # toy, TP 2, PP 2: two layers per stage, vocab 100, d 64
-    for system in scale.SYSTEMS:
-        layers = 2 * scale.layer_params(system, TOY, 2)
-        vp = scale.stage_params(system, TOY, 2, 2)
-        rep = scale.stage_params(system, TOY, 2, 2, "replicated")
+    for system in scale_model.SYSTEMS:
+        layers = 2 * scale_model.layer_params(system, TOY, 2)
+        vp = scale_model.stage_params(system, TOY, 2, 2)
+        rep = scale_model.stage_params(system, TOY, 2, 2, "replicated")
         assert vp[-1] == layers + 50 * 64 + 64  # lm_head V/p x d, final-norm gain
         assert rep[-1] == layers + 100 * 64 + 64  # the whole V x d lm_head on every rank
         if system == "btp":  # embedding columns sharded under either head: V x d/p
@@ -344,15 +344,15 @@ def test_replicated_head_stage_params_by_hand():
             assert rep[0] == layers + 100 * 64
         # the optimizer runs over the larger stage
         wl = Workload(seq=8, batch=2)
-        pred = scale.predict(TOY, system, 2, 2, TOY_HW, wl, head="replicated")
-        assert pred.optimizer_s == pytest.approx(scale.elementwise_time(28 * max(rep), TOY_HW))
+        pred = scale_model.predict(TOY, system, 2, 2, TOY_HW, wl, head="replicated")
+        assert pred.optimizer_s == pytest.approx(scale_model.elementwise_time(28 * max(rep), TOY_HW))
 
 
 def test_unknown_head_is_refused():
     with pytest.raises(ValueError, match="unknown head"):
-        scale.predict(TOY, "btp", 2, hw=TOY_HW, head="sharded")
+        scale_model.predict(TOY, "btp", 2, hw=TOY_HW, head="sharded")
     with pytest.raises(ValueError, match="unknown head"):
-        scale.head_cost("btp", TOY, 16, 2, TOY_HW, Workload(), "sharded")
+        scale_model.head_cost("btp", TOY, 16, 2, TOY_HW, Workload(), "sharded")
 
 
 # ----------------------------------------------------------------------------- hardware files
@@ -363,10 +363,10 @@ def test_unknown_head_is_refused():
     [("a100-80gb-nvlink", 312e12, 2.0e12, 300e9), ("h200", 989e12, 4.8e12, 450e9)],
 )
 def test_bundled_hardware_files(name, peak, hbm, nvlink):
-    hw = scale.load_hardware(name)
+    hw = hardware.load_hardware(name)
     assert (hw.peak_flops, hw.hbm_bandwidth, hw.nvlink_bandwidth) == (peak, hbm, nvlink)
     assert hw.allreduce_bus_bandwidth < hw.nvlink_bandwidth
-    assert set(hw.notes) == set(scale.HARDWARE_FIELDS) and all(hw.notes.values())
+    assert set(hw.notes) == set(hardware.HARDWARE_FIELDS) and all(hw.notes.values())
     raw = json.loads(
         (importlib.resources.files("boost_compile") / "hardware" / f"{name}.json").read_text()
     )
@@ -374,7 +374,7 @@ def test_bundled_hardware_files(name, peak, hbm, nvlink):
     assert calibrated, "a hardware file without calibrated constants"
     for key in calibrated:
         assert raw[key].get("why"), key
-        assert f"| {key} |" in scale.__doc__, f"{key} missing from the module docstring table"
+        assert f"| {key} |" in hardware.__doc__, f"{key} missing from the module docstring table"
 
 
 def test_hardware_from_a_path(tmp_path):
@@ -385,14 +385,14 @@ def test_hardware_from_a_path(tmp_path):
     raw["peak_flops"]["value"] = 1e15
     path = tmp_path / "mine.json"
     path.write_text(json.dumps(raw))
-    hw = scale.load_hardware(str(path))
+    hw = hardware.load_hardware(str(path))
     assert hw.name == "my-gpu" and hw.peak_flops == 1e15
     del raw["collective_latency"]["why"]
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="collective_latency"):
-        scale.load_hardware(str(path))
+        hardware.load_hardware(str(path))
     with pytest.raises(ValueError, match="unknown hardware"):
-        scale.load_hardware("no-such-gpu")
+        hardware.load_hardware("no-such-gpu")
 
 
 # ----------------------------------------------------------------------------- the published rows
@@ -400,7 +400,7 @@ def test_hardware_from_a_path(tmp_path):
 
 @pytest.fixture(scope="module")
 def published_rows():
-    rows = scale.published_comparison(scale.load_hardware("a100-80gb-nvlink"), Workload())
+    rows = scale.published_comparison(hardware.load_hardware("a100-80gb-nvlink"), Workload())
     return {r["model"]: r for r in rows}
 
 
@@ -477,7 +477,7 @@ def test_report_head_table():
     body = [line for line in table[header + 2 :] if line.startswith("| ")][:12]
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in body]
     assert [(c[0], int(c[1])) for c in cells] == [
-        (s, tp) for s in scale.SYSTEMS for tp in scale.TP_DEGREES
+        (s, tp) for s in scale_model.SYSTEMS for tp in scale_model.TP_DEGREES
     ]
     for c in cells:
         ratio = float(c[4].rstrip("x"))
@@ -507,9 +507,9 @@ def test_report_head_table():
 
 
 def test_btp_moves_less_than_full_rank_and_vanilla():
-    hw = scale.load_hardware()
-    for shape in scale.SHAPES:
-        preds = scale.predict_all(shape, 4, 1, hw, Workload())
+    hw = hardware.load_hardware()
+    for shape in scale_model.SHAPES:
+        preds = scale_model.predict_all(shape, 4, 1, hw, Workload())
         gb = {s: p.comm_gb for s, p in preds.items()}
         assert gb["btp"] < gb["full-rank"] < gb["vanilla"]
 
@@ -524,24 +524,24 @@ def test_workload_is_immutable():
 
 def test_btp_stages_send_their_d_slice():
     # TOY: d 64; 16 tokens, bf16: full and vanilla stages send [T, d], btp its d/p slice
-    assert scale.p2p_bytes(16, TOY, 2, "full-rank", 2) == scale.p2p_bytes(16, TOY, 2, "vanilla", 2) == 16 * 64 * 2
-    assert scale.p2p_bytes(16, TOY, 2, "btp", 2) == 16 * 32 * 2
-    assert scale.p2p_bytes(16, TOY, 2, "btp", 4) == 16 * 16 * 2
-    assert scale.p2p_bytes(16, TOY, 2, "btp", 1) == 16 * 64 * 2
+    assert scale_model.p2p_bytes(16, TOY, 2, "full-rank", 2) == scale_model.p2p_bytes(16, TOY, 2, "vanilla", 2) == 16 * 64 * 2
+    assert scale_model.p2p_bytes(16, TOY, 2, "btp", 2) == 16 * 32 * 2
+    assert scale_model.p2p_bytes(16, TOY, 2, "btp", 4) == 16 * 16 * 2
+    assert scale_model.p2p_bytes(16, TOY, 2, "btp", 1) == 16 * 64 * 2
     wl = Workload(seq=8, batch=4, micro_batches=2)
     for system, width in (("full-rank", 64), ("vanilla", 64), ("btp", 32)):
-        pred = scale.predict(TOY, system, 2, 2, TOY_HW, wl)
+        pred = scale_model.predict(TOY, system, 2, 2, TOY_HW, wl)
         # 2 micro-batches of 2 x 8 tokens, each an activation down and a gradient up, one boundary
         assert pred.p2p_bytes == 2 * 2 * 16 * width * 2
         assert pred.p2p_s == pytest.approx(2 * 16 * width * 2 / 5e9)
     # a send/recv latency counts once per transfer on the critical path
     slow = dataclasses.replace(TOY_HW, p2p_latency=1e-3)
-    assert scale.predict(TOY, "btp", 2, 2, slow, wl).p2p_s == pytest.approx(2 * (1e-3 + 16 * 32 * 2 / 5e9))
+    assert scale_model.predict(TOY, "btp", 2, 2, slow, wl).p2p_s == pytest.approx(2 * (1e-3 + 16 * 32 * 2 / 5e9))
 
 
 def test_data_parallel_gradient_all_reduce_by_hand():
-    two = scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4), dp=2)
-    half = scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=2))
+    two = scale_model.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4), dp=2)
+    half = scale_model.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=2))
     # btp at TP 1: 4 layers of 16 x (4 (64 + 64) + 3 (64 + 128)) factor weights and 2 x 64 norm gains,
     # the embedding and lm_head 100 x 64, the final norm 64; fp32 gradients
     grads = 4 * (4 * (16 * (4 * 128 + 3 * 192) + 128) + 2 * 100 * 64 + 64)
@@ -552,38 +552,38 @@ def test_data_parallel_gradient_all_reduce_by_hand():
     assert two.comm_s == pytest.approx(half.comm_s + allreduce)
     assert two.comm_gb == pytest.approx(half.comm_gb + grads / 1e9)
     assert two.collectives == half.collectives + 1
-    assert scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4)).dp_s == 0.0
+    assert scale_model.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=4)).dp_s == 0.0
     with pytest.raises(ValueError, match="dp must divide"):
-        scale.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=3), dp=2)
+        scale_model.predict(TOY, "btp", 1, 1, TOY_HW, Workload(seq=8, batch=3), dp=2)
     # a pipeline per replica: its micro-batches cut the replica's batch
     with pytest.raises(ValueError, match="micro_batches"):
-        scale.predict(TOY, "btp", 1, 2, TOY_HW, Workload(seq=8, batch=4, micro_batches=4), dp=2)
+        scale_model.predict(TOY, "btp", 1, 2, TOY_HW, Workload(seq=8, batch=4, micro_batches=4), dp=2)
 
 
 def test_hardware_latency_zero_half_intensity_and_provenance():
     raw = json.loads((importlib.resources.files("boost_compile") / "hardware" / "h200.json").read_text())
-    hw = scale.hardware_from_dict(raw)
+    hw = hardware.hardware_from_dict(raw)
     assert hw.p2p_latency == 0.0 and hw.measured == {}
     raw["p2p_latency"] = {"value": 3e-5, "source": "ping-pong"}
     raw["gemm_half_intensity"]["value"] = 0
     raw["measured"] = {"command": "boost-bench calibrate", "date": "today"}
-    hw = scale.hardware_from_dict(raw)
+    hw = hardware.hardware_from_dict(raw)
     assert hw.p2p_latency == 3e-5 and hw.measured["command"] == "boost-bench calibrate"
     # no half intensity: every whole-tile GEMM at the ceiling
-    assert scale.gemm_efficiency(64, 64, 64, hw, 4) == pytest.approx(hw.gemm_max_efficiency)
+    assert scale_model.gemm_efficiency(64, 64, 64, hw, 4) == pytest.approx(hw.gemm_max_efficiency)
     for key, value in (("p2p_latency", -1.0), ("peak_flops", 0.0)):
         bad = json.loads(json.dumps(raw))
         bad[key]["value"] = value
         with pytest.raises(ValueError, match=key):
-            scale.hardware_from_dict(bad)
+            hardware.hardware_from_dict(bad)
 
 
 def test_bundled_cpu_file_is_measured():
     raw = json.loads((importlib.resources.files("boost_compile") / "hardware" / "cpu.json").read_text())
-    hw = scale.load_hardware("cpu")
+    hw = hardware.load_hardware("cpu")
     assert hw.measured["command"].startswith("boost-bench calibrate") and hw.measured["quick"] == "false"
     assert hw.measured["machine"] and hw.measured["date"]
-    for key in (*scale.HARDWARE_FIELDS, "p2p_latency"):
+    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency"):
         if key in ("gemm_tile", "attention_head_dim_multiple"):
             assert raw[key]["measured"] is False and raw[key]["why"]
         else:
@@ -613,11 +613,11 @@ SIXTY_M = Shape("60m", d=512, d_ff=1376, layers=8, heads=8, vocab=256)
 
 def _measured_hardware(path):
     """TOY_HW as a file that says it was measured: the comparison is then the default."""
-    raw = {k: {"value": getattr(TOY_HW, k), "source": "synthetic"} for k in scale.HARDWARE_FIELDS}
+    raw = {k: {"value": getattr(TOY_HW, k), "source": "synthetic"} for k in hardware.HARDWARE_FIELDS}
     raw["p2p_latency"] = {"value": 2e-5, "source": "synthetic"}
     raw.update(name="synthetic-cpu", measured={"command": "boost-bench calibrate", "date": "d", "machine": "m"})
     path.write_text(json.dumps(raw))
-    return scale.load_hardware(str(path))
+    return hardware.load_hardware(str(path))
 
 
 def _save_runs(folder, hw, benches=("tp", "pp")):
@@ -628,7 +628,7 @@ def _save_runs(folder, hw, benches=("tp", "pp")):
     wl = Workload(seq=128, batch=4, dtype_bytes=4, micro_batches=2, optimizer_bytes_per_param=0.0)
     step = {}
     for (bench, label), (system, t, p, d) in MEASURED_ROWS.items():
-        step[bench, label] = scale.predict(SIXTY_M, system, t, p, hw, wl, dp=d).iteration_s * (2.0 if label == "PP2" else 1.1)
+        step[bench, label] = scale_model.predict(SIXTY_M, system, t, p, hw, wl, dp=d).iteration_s * (2.0 if label == "PP2" else 1.1)
     params = {"size": "60m", "seq": 128, "batch": 4, "vocab": 256}
     data = {
         "tp": {"params": params, "vocab": 256,

@@ -20,8 +20,9 @@ from hydra import compose, initialize_config_dir
 
 from boost_compile.config import ConfigError
 from boost_compile.train import run
-from boost_compile.train.config import config_dir, register_configs, validate
+from boost_compile.train.config import config_dir, register_configs
 from boost_compile.train.metrics import TENSORBOARD_DIR, TENSORBOARD_TAGS, TensorBoardWriter
+from boost_compile.train.validate import validate
 
 needs_tensorboard = pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None, reason="pip install 'boost-compile[tensorboard]'"

@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("tokenizers")
 
-import boost_compile.train.data as data_mod
+import boost_compile.train.data.cache as data_mod
 import boost_compile.train.tokenizer as tok_mod
 from boost_compile.config import ConfigError
-from boost_compile.train.config import DataConfig, TrainConfig, to_train_config, validate
+from boost_compile.train.config import DataConfig, TrainConfig
 from boost_compile.train.data import (
     CACHE_ENV,
     Corpus,
@@ -40,6 +40,7 @@ from boost_compile.train.tokenizer import (
     tokenizer_for_run,
     train_bpe,
 )
+from boost_compile.train.validate import to_train_config, validate
 
 SAMPLE = "def f(x):\n    return x ** 2  # ünïcødé ✓ 日本語\n\n\tend\r\n"
 

@@ -19,14 +19,8 @@ from conftest import FAST, cfg_of
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, lr_multiplier, run, write_sweep_summary
-from boost_compile.train.config import (
-    GROUPS,
-    TrainConfig,
-    config_dir,
-    to_train_config,
-    tp_available,
-    validate,
-)
+from boost_compile.train.config import GROUPS, TrainConfig, config_dir
+from boost_compile.train.validate import to_train_config, tp_available, validate
 
 REPO = Path(__file__).resolve().parents[2]
 

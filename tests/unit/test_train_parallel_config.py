@@ -8,7 +8,7 @@ import pytest
 from conftest import cfg_of
 
 from boost_compile.config import ConfigError
-from boost_compile.train.config import validate
+from boost_compile.train.validate import validate
 
 FOUR_LAYERS = "+model.overrides.n_layers=4"
 

@@ -107,7 +107,8 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
 
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=int(os.environ.get("PP_TIMEOUT", "120"))))  # a failing rank must not hang the other
+                            # a failing rank must not hang the other
+                            timeout=datetime.timedelta(seconds=int(os.environ.get("PP_TIMEOUT", "120"))))
     torch._dynamo.config.cache_size_limit = 64
     torch.set_num_threads(1)
     run_scenarios(rank, world, scenarios, result_path, scenario)

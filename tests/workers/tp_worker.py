@@ -114,7 +114,8 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"], **sc.get("parallelize", {}))
     rec = Recorder()
-    config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"), **sc.get("options", {})})
+    config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"),
+                                       **sc.get("options", {})})
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
     if sc.get("loss_only"):  # a compiled step that returns the loss alone: no logits leave the graph
         compiled = torch.compile(functools.partial(call, model), backend=functools.partial(compile_graph, config=config, recorder=rec))
@@ -159,7 +160,8 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
         for kind in ("forward", "backward")
     }
-    out["config"] = {k: getattr(getattr(ref, "config", None), k, None) for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp", "vocab_size")}
+    out["config"] = {k: getattr(getattr(ref, "config", None), k, None)
+                     for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp", "vocab_size")}
     return out
 
 
@@ -184,14 +186,18 @@ def bad_inputs() -> dict[str, str]:
 
     tokens = torch.zeros(2, 16, dtype=torch.long)
     cases = {
-        "heads": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", n_heads=1, n_kv_heads=1)), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
-        "megatron_on_lowrank": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "megatron"),
-        "btp_on_dense": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny-dense")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "btp"),
+        "heads": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny", n_heads=1, n_kv_heads=1)), (torch.zeros(1, 8, dtype=torch.long),),
+                                         dist.group.WORLD, "btp"),
+        "megatron_on_lowrank": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),),
+                                                       dist.group.WORLD, "megatron"),
+        "btp_on_dense": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny-dense")), (torch.zeros(1, 8, dtype=torch.long),),
+                                                dist.group.WORLD, "btp"),
         "layernorm": lambda: bc.parallelize_(build("style:nanogpt-layernorm-lowrank")[0], (tokens,), dist.group.WORLD, "btp"),
         **{hook: functools.partial(lambda h: bc.parallelize_(hooked_llama(h), (tokens,), dist.group.WORLD, "btp"), hook)
            for hook in STREAM_HOOKS},
         "kv_heads": lambda: bc.parallelize_(meta_llama(n_kv_heads=1, low_rank=True)[0], (tokens,), dist.group.WORLD, "btp"),
-        "plan_name": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), dist.group.WORLD, "zigzag"),
+        "plan_name": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),),
+                                             dist.group.WORLD, "zigzag"),
         "not_a_group": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), 2, "btp"),
     }
     out = {}

@@ -1,4 +1,5 @@
-"""Activation checkpointing (passes/checkpoint.py): parity, what is saved, collectives, reports.
+"""Activation checkpointing (passes/activation_checkpoint.py, checkpoint_partitioner.py, saved_tensors.py): \
+parity, what is saved, collectives, reports.
 
 Parity: with each mode (and with "none"), the loss and every parameter gradient follow the
 suite's parity rule against the model's eager and float64 runs (conftest.assert_parity). Most cases
@@ -34,12 +35,9 @@ from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.models import Llama, LlamaConfig
 from boost_compile.pass_manager import PassReport
 from boost_compile.passes import GRAPH_PASSES
-from boost_compile.passes.checkpoint import (
-    CheckpointPartitioner,
-    CheckpointPass,
-    activation_bytes,
-    checkpoint_partitioner,
-)
+from boost_compile.passes.activation_checkpoint import CheckpointPass
+from boost_compile.passes.checkpoint_partitioner import CheckpointPartitioner, checkpoint_partitioner
+from boost_compile.passes.saved_tensors import activation_bytes
 
 BATCH, SEQ = 2, 16
 MODELS = ("tiny", "tiny-lowrank", "tiny-dense", "hf")
@@ -487,7 +485,7 @@ def test_random_ops_are_kept_beside_an_opaque_input(monkeypatch):
 
     from torch._functorch._aot_autograd import graph_compile
 
-    from boost_compile.passes.checkpoint import keep_random_ops_beside_opaque_inputs
+    from boost_compile.passes.checkpoint_partitioner import keep_random_ops_beside_opaque_inputs
 
     def joint() -> torch.fx.GraphModule:
         g = torch.fx.Graph()

@@ -1,0 +1,228 @@
+"""Every private torch API boost_compile touches, in one place (checked against torch 2.13.0).
+
+torch moves its private modules and attributes between releases. The rest of
+the project reaches them only through the names below, so an upgrade that
+breaks one breaks here, at a glance (``tests/unit/test_torch_compat.py`` greps
+the sources for private torch names anywhere else). Process-wide configuration
+changes go through context managers that put the old value back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Inductor's hooks for a custom graph pass and a custom partitioner (keyed by their uuid())
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn  # noqa: F401
+
+#: The torch release these names were checked against.
+CHECKED_WITH = "2.13.0"
+
+# ----------------------------------------------------------------------------- ops and targets
+
+#: The target Dynamo records for ``F.linear`` (the C binding it dispatches to).
+TORCH_LINEAR = torch._C._nn.linear
+#: The target Dynamo records for ``F.scaled_dot_product_attention``.
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+#: ``torch.<op>`` functions as Dynamo records them come from this module.
+TORCH_FUNCTIONS_MODULE = "torch._C._VariableFunctions"
+#: ATen graph targets: an operator overload (``aten.mm.default``).
+OpOverload = torch._ops.OpOverload
+#: Namespaces of the functional collectives (ATen ops).
+COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "_c10d_functional_autograd", "c10d_functional"})
+#: The functional collectives' wait (an ATen graph target).
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+#: torch's Python wrappers over the functional collectives.
+FUNCTIONAL_COLLECTIVES_MODULE = "torch.distributed._functional_collectives"
+
+
+def op_namespace_and_name(target: Any) -> tuple[str, str] | None:
+    """``("_c10d_functional", "all_reduce")`` for an ATen overload or packet, else None."""
+    qualified = getattr(target, "_qualified_op_name", None)  # packets, and overloads through it
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace, target._opname
+    if isinstance(qualified, str) and "::" in qualified:
+        namespace, _, name = qualified.partition("::")
+        return namespace, name
+    return None
+
+
+# ----------------------------------------------------------------------------- Dynamo graphs
+
+
+def placeholder_source_name(node: Any) -> str | None:
+    """The Dynamo source of a placeholder (``L['self']._modules['w']._parameters['weight']``),
+    from its private ``grapharg`` metadata; None when there is none (Dynamo drops it once
+    the backend returns)."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return source.name if source is not None else None
+
+
+def op_schema(target: Any) -> Any:
+    """An ATen overload's schema (its private ``_schema``), or None for other targets."""
+    return getattr(target, "_schema", None)
+
+
+# ----------------------------------------------------------------------------- AOT autograd and partitioning
+
+
+
+def is_opaque_node(node: Any) -> bool:
+    """A graph input AOT autograd treats as opaque (DTensor's DeviceMesh)."""
+    from torch._functorch._aot_autograd.graph_compile import is_opaque_node as opaque
+
+    return opaque(node)
+
+
+def default_partition(*args: Any, **kwargs: Any) -> Any:
+    """AOT autograd's default joint-graph partitioner (aot_eager's)."""
+    from torch._functorch.partitioners import default_partition as partition
+
+    return partition(*args, **kwargs)
+
+
+def min_cut_partition(*args: Any, **kwargs: Any) -> Any:
+    """The min-cut rematerialization partitioner (Inductor's default; honours recompute tags)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition as partition
+
+    return partition(*args, **kwargs)
+
+
+def functorch_config_patch(changes: dict[str, Any]) -> Any:
+    """``torch._functorch.config.patch``: functorch settings changed inside a ``with`` only."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(changes)
+
+
+def give_constant_source(gm: Any, name: str) -> None:
+    """Record a buffer made at compile time as coming from a constant of its own name.
+
+    Dynamo's graph module maps every parameter and buffer to where it came from
+    (``_param_name_to_source``); AOT autograd rejects a buffer with no source."""
+    from torch._dynamo.source import ConstantSource
+
+    sources = getattr(gm, "_param_name_to_source", None)
+    if sources is not None:
+        sources[name] = ConstantSource(name)
+
+
+def current_fake_mode() -> Any:
+    """The fake-tensor mode of the compile in progress (``TracingContext``), else a new one."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    tc = TracingContext.try_get()
+    return tc.fake_mode if tc is not None and tc.fake_mode is not None else FakeTensorMode()
+
+
+@contextlib.contextmanager
+def quiet_fake_tensor_log() -> Iterator[None]:
+    """Silence fake-tensor's ERROR log inside (a caller that turns the failure into its own error)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+# ----------------------------------------------------------------------------- compile settings
+
+
+@contextlib.contextmanager
+def compile_settings(
+    *, dynamo: dict[str, Any] | None = None, inductor: dict[str, Any] | None = None,
+    functorch: dict[str, Any] | None = None,
+) -> Iterator[None]:
+    """Dynamo, Inductor and functorch config values changed inside, the old ones back on exit.
+
+    Keys as torch spells them, nested ones dotted (``{"cpp.enable_kernel_profile": True}``).
+    """
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with contextlib.ExitStack() as stack:
+        for module, changes in ((dynamo_config, dynamo), (inductor_config, inductor), (functorch_config, functorch)):
+            if changes:
+                stack.enter_context(module.patch(changes))
+        yield
+
+
+#: Compile settings under which every compile runs its passes (no FX-graph or AOT-autograd
+#: cache hit skips them): for tools that read what the passes report.
+NO_COMPILE_CACHES = {"inductor": {"fx_graph_cache": False}, "functorch": {"enable_autograd_cache": False}}
+
+
+def dynamo_recompile_limit_value() -> int:
+    import torch._dynamo.config as dynamo_config
+
+    return int(dynamo_config.recompile_limit)
+
+
+def dynamo_recompile_limit(at_least: int) -> contextlib.AbstractContextManager[None]:
+    """Dynamo's per-code-object recompile limit raised to ``at_least`` inside (never lowered)."""
+    if dynamo_recompile_limit_value() >= at_least:
+        return contextlib.nullcontext()
+    return compile_settings(dynamo={"recompile_limit": at_least})
+
+
+# ----------------------------------------------------------------------------- compilers
+
+
+def aot_autograd(**kwargs: Any) -> Any:
+    """Dynamo's AOT-autograd backend factory (``fw_compiler``, ``bw_compiler``, ``partition_fn``)."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def make_boxed_func(fn: Any) -> Any:
+    """Wrap a compiled graph's forward in AOT autograd's boxed calling convention."""
+    from torch._functorch.aot_autograd import make_boxed_func as boxed
+
+    return boxed(fn)
+
+
+def compile_fx(*args: Any, **kwargs: Any) -> Any:
+    """Inductor's entry point for a captured graph."""
+    from torch._inductor.compile_fx import compile_fx as inductor
+
+    return inductor(*args, **kwargs)
+
+
+def backend_compiler_failed() -> type[Exception]:
+    """The exception Dynamo wraps a backend's error in."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    return BackendCompilerFailed
+
+
+# ----------------------------------------------------------------------------- modules and collectives
+
+
+def is_compiled_module(module: Any) -> bool:
+    """``torch.compile(module)``'s wrapper, or a module compiled in place (``module.compile()``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def original_module(module: Any) -> Any:
+    """The module under a ``torch.compile`` wrapper (itself when not wrapped)."""
+    return getattr(module, "_orig_mod", module)
+
+
+def functional_collectives() -> Any:
+    """The functional-collective op namespace (``all_reduce``, ``wait_tensor``, ...)."""
+    return torch.ops._c10d_functional
+
+
+#: ``torch._check``: a condition that fake tensors and the compiler understand.
+check = torch._check

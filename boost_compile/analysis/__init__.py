@@ -1,0 +1,29 @@
+"""What the passes read from a captured graph: ``GraphView`` and its sites (``view``),
+RMSNorm matching (``norm_match``), look-only capture (``capture``) and the shared FX
+predicates (``fx_utils``)."""
+
+from boost_compile.analysis.capture import capture_views, private_forward
+from boost_compile.analysis.fx_utils import (
+    ACTIVATION_TARGETS,
+    count_ops,
+    graph_kind,
+    meta_tensor,
+    source_to_fqn,
+)
+from boost_compile.analysis.norm_match import RMSNormSite
+from boost_compile.analysis.view import BottleneckChain, GraphView, LinearSite, SiblingGroup
+
+__all__ = [
+    "ACTIVATION_TARGETS",
+    "BottleneckChain",
+    "GraphView",
+    "LinearSite",
+    "RMSNormSite",
+    "SiblingGroup",
+    "capture_views",
+    "count_ops",
+    "graph_kind",
+    "meta_tensor",
+    "private_forward",
+    "source_to_fqn",
+]

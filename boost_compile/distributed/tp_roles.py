@@ -1,0 +1,187 @@
+"""Graph role analysis for tensor parallelism: what the captured graph says each
+parameter is (embedding, block norm, bottleneck down/up factor, dense row/column
+linear, output head), where the residual stream runs, and how fused outputs split.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from boost_compile.analysis import GraphView, capture_views
+from boost_compile.distributed.shard import ParallelizeError
+
+
+@dataclass
+class Roles:
+    """What the graph says each parameter is."""
+
+    view: GraphView
+    embedding: str | None  # the module whose input carries the eager-mode guard
+    shardable_embeddings: list[str]  # weights of embeddings that feed the stream and nothing else
+    block_norms: list[str]
+    chains: list[tuple[str, str, str, str]]  # (down weight, down layout, up weight, up layout)
+    dense: list[tuple[str, str, str]]  # (weight, layout, "row"|"col")
+    biases: dict[str, str]  # weight -> bias
+    sections: dict[str, tuple[int, ...]]  # column-parallel weight -> whole sizes of its output's split
+    heads: list[tuple[str, str, str | None]]  # untied output heads: (weight, layout, bias)
+
+
+def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
+    views = capture_views(model, *example_inputs)
+    if len(views) != 1:
+        raise ParallelizeError(f"the model must capture as one graph (found {len(views)}; fix the graph breaks)")
+    view = views[0]
+    stream = view.residual_stream
+    if not stream:
+        raise ParallelizeError("no residual stream found: parallelize_ understands pre-norm residual blocks")
+    names = view.param_names
+    # embeddings that reach the stream's start: token and learned position embeddings,
+    # through scaling (Gemma), dropout or their sum; one whose weight is used anywhere
+    # else (a head tied to it) stays whole
+    lookups = [n for n in ({stream[0]} | view.ancestors(stream[0])) if _is_embedding(n) and n.args[1] in names]
+    lookups.sort(key=lambda n: list(view.graph.nodes).index(n))
+    embedding = names[lookups[0].args[1]] if lookups else None
+    shardable = [names[n.args[1]] for n in lookups if len(n.args[1].users) == 1]
+    stream_set = set(stream)
+    block_norms = [s.param_name for s in view.rmsnorms if s.input in stream_set and s.input is not stream[-1] and s.param_name]
+    in_chain = set()
+    chains = []
+    sections: dict[str, tuple[int, ...]] = {}
+    for c in view.bottlenecks:
+        if not view.in_block(c.down):
+            continue
+        chains.append((c.down.param_name, c.down.layout, c.up.param_name, c.up.layout))
+        in_chain |= {c.down.node, c.up.node}
+        if (parts := _split_sections(c.up.node)) is not None:
+            sections[c.up.param_name] = parts
+    dense = []
+    for site in view.block_linears:
+        if site.node in in_chain:
+            continue
+        role = "row" if _feeds_stream(site.node, stream_set, view) else "col"
+        dense.append((site.param_name, site.layout, role))
+        if role == "col" and (parts := _split_sections(site.node)) is not None:
+            sections[site.param_name] = parts
+    biases = {s.param_name: names[s.bias] for s in view.linears if s.bias is not None and s.bias in names}
+    after = view.descendants(stream[-1])
+    heads = [
+        (s.param_name, s.layout, biases.get(s.param_name))
+        for s in view.linears
+        if s.param_name and s.node in after and not view.in_block(s) and _read_only_by(s.weight, s.node, names)
+    ]
+    return Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections, heads)
+
+
+def _read_only_by(weight: fx.Node, gemm: fx.Node, names: dict[fx.Node, str]) -> bool:
+    """Whether the parameter behind ``weight`` (possibly through ``.t()``) feeds ``gemm`` alone:
+    a head tied to the embedding does not."""
+    param = weight
+    while param not in names:
+        if len(param.all_input_nodes) != 1:
+            return False
+        param = param.all_input_nodes[0]
+    node = param
+    while node is not gemm:
+        if len(node.users) != 1:
+            return False
+        node = next(iter(node.users))
+    return True
+
+
+def _last_dim_slice(node: fx.Node) -> slice | None:
+    """``x[..., a:b]`` -> slice(a, b)."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[1], tuple):
+        return None
+    idx = node.args[1]
+    if len(idx) == 2 and idx[0] is Ellipsis and isinstance(idx[1], slice) and idx[1].step in (None, 1):
+        return idx[1]
+    return None
+
+
+def _slice_sections(node: fx.Node, width: int) -> tuple[int, ...] | None:
+    """Sizes of the parts when the users' last-dim slices tile [0, width) exactly (Phi-3's qkv)."""
+    spans = sorted(((s.start or 0), width if s.stop is None else s.stop) for s in map(_last_dim_slice, node.users))
+    if len(spans) < 2 or spans[0][0] != 0 or spans[-1][1] != width:
+        return None
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    return tuple(b - a for a, b in spans)
+
+
+def _is_reshape(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in ("view", "reshape")) or (
+        node.op == "call_function" and node.target is torch.reshape
+    )
+
+
+def _is_embedding(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.nn.functional.embedding
+
+
+def _split_sections(node: fx.Node) -> tuple[int, ...] | None:
+    """Whole sizes of the parts a GEMM's output is split into on its last dim (fused q/k/v)."""
+    out = node.meta.get("example_value")
+    if out is None:
+        return None
+    if len(node.users) > 1 and all(_last_dim_slice(u) is not None for u in node.users):
+        return _slice_sections(node, int(out.shape[-1]))
+    users = list(node.users)
+    if len(users) != 1:
+        return None
+    split = users[0]
+    reshaped = split.meta.get("example_value")
+    if (  # a reshape that keeps the last dim whole first (GPT-2's Conv1D: [B*T, 3d] -> [B, T, 3d])
+        _is_reshape(split) and reshaped is not None
+        and reshaped.shape[-1] == out.shape[-1] and len(split.users) == 1
+    ):
+        node, split = split, next(iter(split.users))
+    is_split = (split.op == "call_method" and split.target in ("split", "chunk")) or (
+        split.op == "call_function" and split.target in (torch.split, torch.chunk)
+    )
+    if not is_split or split.args[0] is not node:
+        return None
+    out = node.meta.get("example_value")
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if out is None or dim not in (-1, out.dim() - 1):
+        return None
+    width = int(out.shape[-1])
+    size = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size_or_sections", split.kwargs.get("chunks"))
+    if split.target in ("chunk", torch.chunk):
+        if not isinstance(size, int) or width % size:
+            return None
+        return (width // size,) * size
+    if isinstance(size, int):
+        return (size,) * (width // size) + ((width % size,) if width % size else ())
+    if isinstance(size, (list, tuple)) and all(isinstance(v, int) for v in size):
+        return tuple(size)
+    return None
+
+
+def _feeds_stream(node: fx.Node, stream: set[fx.Node], view: GraphView) -> bool:
+    """Whether the output reaches a residual add without passing another linear."""
+    seen, todo = set(), list(node.users)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stream:
+            return True
+        if n in view.linear_by_node:
+            continue
+        todo.extend(n.users)
+    return False
+
+
+def gemm_dim(layout: str, role: str) -> int:
+    """Dim to cut: out_in weights are [d_out, d_in], in_out weights [d_in, d_out]."""
+    if layout == "out_in":
+        return 1 if role == "row" else 0
+    return 0 if role == "row" else 1

@@ -1,0 +1,37 @@
+"""boost-train's data: a text corpus, tokenized, packed into shuffled windows.
+
+:mod:`.sources` reads the corpus (the standard library's source by default, no
+download), :mod:`.cache` tokenizes it through the token cache (:func:`load_corpus`)
+and :mod:`.packing` cuts it into each rank's train and val batches (:func:`make_loaders`).
+"""
+
+from boost_compile.train.data.cache import (
+    CACHE_ENV,
+    cache_root,
+    load_corpus,
+    load_tokens,
+    token_dtype,
+)
+from boost_compile.train.data.packing import Corpus, PackedTokens, make_loaders, split, val_cut
+from boost_compile.train.data.sources import source_stream, stdlib_files, stdlib_text, stdlib_tokens
+
+# ByteTokenizer lives in train.tokenizer now; still importable from here
+from boost_compile.train.tokenizer import ByteTokenizer
+
+__all__ = [
+    "CACHE_ENV",
+    "ByteTokenizer",
+    "Corpus",
+    "PackedTokens",
+    "cache_root",
+    "load_corpus",
+    "load_tokens",
+    "make_loaders",
+    "source_stream",
+    "split",
+    "stdlib_files",
+    "stdlib_text",
+    "stdlib_tokens",
+    "token_dtype",
+    "val_cut",
+]

@@ -1,0 +1,465 @@
+"""Checking and resolving a ``boost-train`` config before anything is built.
+
+:func:`validate` checks what the schema's types cannot express (a preset that
+exists, a TP degree that divides the heads, a data path that exists, the pass
+options through ``BoostConfig.from_options``, a pipeline cut that can work) and
+raises :class:`ConfigError` before any process group, model or data is created;
+on the way it reads a Hugging Face model's config (:func:`model_shape`) and
+loads the tokenizer it names (:func:`check_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from boost_compile.config import BoostConfig, ConfigError, FactorizeConfig
+from boost_compile.train.config import (
+    GROUPS,
+    DataConfig,
+    FactorizeGroup,
+    ModelConfig,
+    PassesConfig,
+    TrainConfig,
+    check_choice,
+    check_choices,
+)
+from boost_compile.train.tokenizer import BYTE_VOCAB, BYTES, Tokenizer, parse_spec
+
+
+@dataclass
+class ModelShape:
+    """What validation needs to know about a model without building it."""
+
+    kind: str  # "preset" or "hf"
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    dim: int
+    vocab_size: int
+    dense: bool
+    tie_embeddings: bool = False
+    llama_config: Any = None  # LlamaConfig for presets
+    hf_config: Any = None  # transformers PretrainedConfig for hf
+
+
+def to_train_config(cfg: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from a DictConfig (as Hydra gives it), a dict or itself."""
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, (dict, DictConfig)):
+        raise ConfigError(f"expected a config, got {type(cfg).__name__}")
+    try:
+        if isinstance(cfg, dict) or OmegaConf.get_type(cfg) is not TrainConfig:
+            cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(exc)) from exc
+    assert isinstance(obj, TrainConfig)
+    return obj
+
+
+def _positive(name: str, value: int | float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def model_shape(model: ModelConfig, seq: int) -> ModelShape:
+    """Resolve the model's shape from the config alone (no weights are built)."""
+    if model.hf_path and model.hf_config is not None:
+        raise ConfigError("model: give hf_path or hf_config, not both")
+    if model.hf_path or model.hf_config is not None:
+        return _hf_shape(model)
+    if model.preset is None:
+        raise ConfigError("model: give a preset, an hf_path or an hf_config")
+    from boost_compile.models import LlamaConfig
+
+    presets = LlamaConfig.presets()
+    if model.preset not in presets:
+        raise ConfigError(f"unknown preset {model.preset!r}; valid presets: {', '.join(presets)}")
+    base = LlamaConfig.preset(model.preset)
+    overrides = {"vocab_size": BYTE_VOCAB, "max_seq_len": max(seq, base.max_seq_len), **model.overrides}
+    try:
+        config = LlamaConfig.preset(model.preset, **overrides)
+    except ValueError as exc:
+        raise ConfigError(f"model.overrides: {exc}") from exc
+    return ModelShape(
+        kind="preset",
+        n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads,
+        ffn_dim=config.ffn_dim,
+        dim=config.dim,
+        vocab_size=config.vocab_size,
+        dense=config.projection == "dense",
+        tie_embeddings=config.tie_embeddings,
+        llama_config=config,
+    )
+
+
+def _hf_shape(model: ModelConfig) -> ModelShape:
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("a Hugging Face model needs the `transformers` package; it is not installed")
+    import transformers
+
+    if model.overrides:
+        raise ConfigError("model.overrides applies to presets; put Hugging Face fields in hf_config")
+    if model.hf_path:
+        path = Path(model.hf_path).expanduser()
+        if not path.exists():
+            raise ConfigError(f"model.hf_path={model.hf_path!r} does not exist (a local folder or config.json)")
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model.hf_path={model.hf_path!r}: {exc}") from exc
+    else:
+        values = dict(model.hf_config or {})
+        model_type = values.pop("model_type", None)
+        if not model_type:
+            raise ConfigError("model.hf_config needs a model_type (e.g. llama)")
+        try:
+            config = transformers.AutoConfig.for_model(model_type, **values)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"model.hf_config: {exc}") from exc
+        if model.pretrained:
+            raise ConfigError("model.pretrained needs weights: give hf_path, not hf_config")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < BYTE_VOCAB:
+        raise ConfigError(f"the Hugging Face model's vocab_size ({vocab}) must be >= {BYTE_VOCAB} (byte tokens)")
+    heads = int(getattr(config, "num_attention_heads", 1))
+    return ModelShape(
+        kind="hf",
+        n_heads=heads,
+        n_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        ffn_dim=int(getattr(config, "intermediate_size", 0) or 0),
+        dim=int(getattr(config, "hidden_size", 0) or 0),
+        vocab_size=vocab,
+        dense=True,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        hf_config=config,
+    )
+
+
+def factorize_config(group: FactorizeGroup) -> FactorizeConfig | None:
+    """The library's FactorizeConfig, or None when the group is off."""
+    if not group.enabled:
+        return None
+    values = {f.name: getattr(group, f.name) for f in dataclasses.fields(group) if f.name != "enabled"}
+    return FactorizeConfig(**values)
+
+
+def boost_options(passes: PassesConfig) -> BoostConfig | None:
+    """The checked BoostConfig for ``backend=boost``; None for other backends."""
+    if passes.backend != "boost":
+        return None
+    try:
+        return BoostConfig.from_options(dict(passes.options))
+    except ConfigError as exc:
+        raise ConfigError(f"passes.options: {exc}") from exc
+
+
+def text_files(data: DataConfig) -> list[Path]:
+    """The files ``data=text`` reads: each path that is a file, and the files matching
+    ``data.pattern`` under each folder (recursively, sorted); ConfigError when none exist."""
+    if not data.paths:
+        raise ConfigError("data=text needs data.paths=[file_or_folder, ...]")
+    missing = [p for p in data.paths if not Path(p).expanduser().exists()]
+    if missing:
+        raise ConfigError(f"data path(s) not found: {', '.join(missing)}")
+    files: list[Path] = []
+    for entry in data.paths:
+        path = Path(entry).expanduser()
+        files.extend([path] if path.is_file() else sorted(p for p in path.rglob(data.pattern) if p.is_file()))
+    if not files:
+        raise ConfigError(f"data=text: no files match {data.pattern!r} under {', '.join(data.paths)}")
+    return files
+
+
+def check_tokenizer(data: DataConfig, model: ModelConfig, shape: ModelShape) -> None:
+    """``data.tokenizer`` names a tokenizer that loads, and a model whose vocabulary is
+    fixed (pretrained weights, ``model.overrides.vocab_size``) holds its ids."""
+    try:
+        kind, value = parse_spec(data.tokenizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if kind == BYTES:
+        return
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer} needs the `tokenizers` package (pip install tokenizers); "
+            "use data.tokenizer=bytes"
+        )
+    if kind == "bpe":
+        size, what = value, f"up to {value}"
+    else:
+        try:
+            size = Tokenizer.from_file(value).vocab_size
+        except Exception as exc:  # tokenizers raises its own Exception type for a bad file
+            raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not load: {exc}") from exc
+        what = str(size)
+    fixed = None
+    if shape.kind == "hf" and model.pretrained:
+        fixed = ("the pretrained model's vocab_size", shape.vocab_size)
+    elif shape.kind == "preset" and "vocab_size" in model.overrides:
+        fixed = ("model.overrides.vocab_size", shape.vocab_size)
+    if fixed is not None and fixed[1] < size:
+        raise ConfigError(
+            f"data.tokenizer={data.tokenizer} has {what} tokens but {fixed[0]} is {fixed[1]}; "
+            "drop the override (the vocabulary follows the tokenizer) or use a smaller tokenizer"
+        )
+
+
+def tp_available() -> bool:
+    import boost_compile
+
+    return hasattr(boost_compile, "parallelize_")
+
+
+def env_world_size() -> int:
+    """Processes started by the launcher (torchrun sets WORLD_SIZE); 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def model_layers(shape: ModelShape) -> int:
+    """The number of decoder blocks of the model ``shape`` describes."""
+    if shape.kind == "preset":
+        return int(shape.llama_config.n_layers)
+    return int(getattr(shape.hf_config, "num_hidden_layers", 0) or 0)
+
+
+def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
+    """The ``parallel.pp*`` options: a cut, a schedule and micro-batches that can work."""
+    from boost_compile.distributed.pipeline import SCHEDULES as PP_SCHEDULES
+
+    par, tr = tc.parallel, tc.trainer
+    _positive("parallel.pp", par.pp)
+    _positive("parallel.stages_per_rank", par.stages_per_rank)
+    if par.microbatches is not None:
+        _positive("parallel.microbatches", par.microbatches)
+    check_choice("parallel.pp_schedule", par.pp_schedule, tuple(PP_SCHEDULES))
+    if par.pp == 1:
+        if par.stages_per_rank != 1 or par.microbatches is not None or par.layers_per_stage is not None:
+            raise ConfigError(
+                "parallel.stages_per_rank, parallel.microbatches and parallel.layers_per_stage configure pipeline "
+                f"parallelism; set parallel.pp > 1 (got pp=1, stages_per_rank={par.stages_per_rank}, "
+                f"microbatches={par.microbatches}, layers_per_stage={par.layers_per_stage})"
+            )
+        return
+    if par.tp > 1 and par.plan == "vanilla":
+        raise ConfigError(
+            "parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron (their stages pass the stream "
+            "between ranks as plain tensors); plan=vanilla's DTensor stages are not supported with pp"
+        )
+    if shape.kind == "hf":
+        from boost_compile.distributed.pipeline import HF_MODEL_TYPES
+
+        model_type = getattr(shape.hf_config, "model_type", None)
+        if model_type not in HF_MODEL_TYPES:
+            raise ConfigError(
+                f"parallel.pp={par.pp}: pipeline stages of Hugging Face model_type {model_type!r} are not supported "
+                f"(checked: {', '.join(HF_MODEL_TYPES)}); use parallel.pp=1"
+            )
+    if shape.tie_embeddings:
+        raise ConfigError(
+            f"parallel.pp={par.pp}: the model's output head is tied to its embedding (tie_embeddings), and "
+            "the embedding is on the first pipeline stage while the head is on the last; use an untied model "
+            "(model.overrides.tie_embeddings=false / hf_config tie_word_embeddings=false) or parallel.pp=1"
+        )
+    virtual = PP_SCHEDULES[par.pp_schedule][1]
+    if virtual and par.stages_per_rank < 2:
+        raise ConfigError(
+            f"parallel.pp_schedule={par.pp_schedule} interleaves several stages per rank: set "
+            "parallel.stages_per_rank >= 2 (or use pp_schedule=1f1b / gpipe)"
+        )
+    if not virtual and par.stages_per_rank != 1:
+        raise ConfigError(
+            f"parallel.pp_schedule={par.pp_schedule} runs one stage per rank, got parallel.stages_per_rank="
+            f"{par.stages_per_rank}; use pp_schedule=interleaved_1f1b for several stages per rank"
+        )
+    if par.pp_schedule == "zero_bubble" and tc.passes.backend != "none":
+        raise ConfigError(
+            "parallel.pp_schedule=zero_bubble splits each backward into input and weight gradients, which a "
+            f"compiled stage (passes.backend={tc.passes.backend}: one fused backward graph) cannot do "
+            "(PyTorch refuses it); use pp_schedule=interleaved_1f1b, or passes=none for uncompiled stages"
+        )
+    stages = par.pp * par.stages_per_rank
+    n_layers = model_layers(shape)
+    if n_layers < stages:
+        raise ConfigError(
+            f"parallel.pp={par.pp} x stages_per_rank={par.stages_per_rank} = {stages} pipeline stages, but the "
+            f"model has {n_layers} blocks: every stage needs at least one block; use fewer stages or more layers "
+            "(model.overrides.n_layers=...)"
+        )
+    if par.layers_per_stage is not None:
+        counts = list(par.layers_per_stage)
+        if len(counts) != stages or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != n_layers:
+            raise ConfigError(
+                f"parallel.layers_per_stage={counts} must give each of the {stages} stages (pp={par.pp} x "
+                f"stages_per_rank={par.stages_per_rank}) at least one block, {n_layers} blocks in all"
+            )
+    n_mb = par.n_microbatches
+    if tr.batch % par.dp == 0 and (tr.batch // par.dp) % n_mb:
+        local = tr.batch // par.dp
+        raise ConfigError(
+            f"the per-rank batch (trainer.batch={tr.batch} / parallel.dp={par.dp} = {local}) must be divisible "
+            f"by parallel.microbatches={n_mb}"
+        )
+    if par.pp_schedule == "1f1b" and n_mb < par.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+            f"parallel.microbatches={n_mb} < parallel.pp={par.pp}"
+        )
+    if virtual:
+        rounds = max(1, n_mb // par.pp)
+        if n_mb % rounds:
+            raise ConfigError(
+                f"parallel.pp_schedule={par.pp_schedule} needs parallel.microbatches ({n_mb}) to be a multiple "
+                f"of the rounds microbatches // pp = {rounds}; use a multiple of parallel.pp={par.pp}"
+            )
+
+
+def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
+    """Check every group; raise :class:`ConfigError` with a message naming the fix.
+
+    ``world_size``: the number of processes that will run the config (default:
+    ``WORLD_SIZE`` from the environment, 1 without torchrun).
+    """
+    tc = to_train_config(cfg)
+    for name in GROUPS:  # the choices: each group checked them when built; again, in case they changed since
+        check_choices(getattr(tc, name), name)
+    tr, par, opt, data, ck, passes = tc.trainer, tc.parallel, tc.optim, tc.data, tc.checkpoint, tc.passes
+
+    # trainer
+    for name in ("steps", "batch", "seq", "log_every"):
+        _positive(f"trainer.{name}", getattr(tr, name))
+    if tr.threads is not None:
+        _positive("trainer.threads", tr.threads)
+    for name in ("save_every", "eval_every"):
+        _positive(f"trainer.{name}", getattr(tr, name), zero_ok=True)
+    if tr.eval_batches is not None:
+        _positive("trainer.eval_batches", tr.eval_batches, zero_ok=True)
+    if tr.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but no CUDA device is available; use trainer.device=cpu")
+
+    # parallel
+    _positive("parallel.dp", par.dp)
+    _positive("parallel.tp", par.tp)
+    if tr.batch % par.dp:
+        raise ConfigError(f"trainer.batch={tr.batch} (the global batch) must be divisible by parallel.dp={par.dp}")
+
+    # model, factorize, passes
+    shape = model_shape(tc.model, tr.seq)
+    factorize = factorize_config(tc.factorize)
+    if factorize is not None and not shape.dense:
+        raise ConfigError(
+            f"factorize turns dense linears into bottlenecks, but preset {tc.model.preset!r} is already low-rank; "
+            "use a dense model (model=tiny-dense, llama-*, a Hugging Face model) or factorize=none"
+        )
+    if passes.backend != "boost" and passes.options:
+        raise ConfigError(f"passes.options configures backend=boost; passes.backend is {passes.backend!r}")
+    boost_options(passes)
+    if par.tp > 1:
+        if not tp_available():
+            raise ConfigError(
+                "tensor parallelism is not available in this build (boost_compile.parallelize_ is missing); "
+                "use parallel.tp=1"
+            )
+        bad = [
+            f"{what} ({value})"
+            for what, value in (("heads", shape.n_heads), ("kv-heads", shape.n_kv_heads), ("ffn", shape.ffn_dim), ("dim", shape.dim))
+            if value % par.tp
+        ]
+        if bad:
+            raise ConfigError(f"parallel.tp={par.tp} must divide the model's {', '.join(bad)}")
+        if par.plan != "vanilla" and passes.backend != "boost":
+            raise ConfigError(
+                f"parallel.plan={par.plan} inserts its collectives in the boost backend; use passes.backend=boost "
+                f"(got {passes.backend!r})"
+            )
+        if par.plan == "vanilla" and par.dp > 1:
+            # DDP's DTensor transform swaps vanilla's DTensor parameters for new local ones after the
+            # optimizer holds the old ones: they would never be updated, and checkpoints cannot name them
+            raise ConfigError(
+                f"parallel.plan=vanilla (DTensor parameters) supports parallel.dp=1 only (got dp={par.dp}); "
+                "use parallel.plan=btp or megatron with data parallelism"
+            )
+
+    check_pipeline(tc, shape)
+    if par.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero={par.zero!r}: 0 (no sharding) or 1 (optimizer state sharded over dp)")
+    if par.zero and par.dp == 1:
+        raise ConfigError(
+            "parallel.zero=1 shards the optimizer state over the data-parallel ranks, and parallel.dp=1 has "
+            "one; set parallel.dp > 1 or parallel.zero=0"
+        )
+
+    # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
+    world = par.pp * par.dp * par.tp
+    started = env_world_size() if world_size is None else world_size
+    if world != started:
+        mesh = f"dp={par.dp} x tp={par.tp}" if par.pp == 1 else f"pp={par.pp} x dp={par.dp} x tp={par.tp}"
+        flags = f"parallel.dp={par.dp} parallel.tp={par.tp}" + (f" parallel.pp={par.pp}" if par.pp > 1 else "")
+        product = "dp * tp" if par.pp == 1 else "pp * dp * tp"
+        if started == 1:
+            raise ConfigError(
+                f"parallel {mesh} needs {world} processes, but this is a single process; "
+                f"launch with: torchrun --nproc-per-node {world} -m boost_compile.train {flags} ..."
+            )
+        raise ConfigError(
+            f"parallel {mesh} = {world} ranks, but {started} processes were started "
+            f"(WORLD_SIZE); make {product} equal the number of processes"
+        )
+
+    # optim
+    _positive("optim.lr", opt.lr)
+    _positive("optim.weight_decay", opt.weight_decay, zero_ok=True)
+    _positive("optim.grad_clip", opt.grad_clip, zero_ok=True)
+    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(opt.betas)}")
+    if not 0.0 <= opt.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {opt.min_lr_ratio}")
+    if opt.warmup_steps is not None:
+        _positive("optim.warmup_steps", opt.warmup_steps, zero_ok=True)
+
+    # data
+    _positive("data.max_bytes", data.max_bytes)
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    if data.source == "text":
+        text_files(data)
+    if data.source == "hf":
+        if importlib.util.find_spec("datasets") is None:
+            raise ConfigError(
+                "data=hf needs the `datasets` package (pip install datasets), which is not installed; "
+                "use data=stdlib or data=text"
+            )
+        if not data.dataset:
+            raise ConfigError("data=hf needs data.dataset (a dataset name in the local cache, or a path)")
+    check_tokenizer(data, tc.model, shape)
+
+    # checkpoint
+    _positive("checkpoint.keep", ck.keep)
+    if ck.resume_from is not None and not Path(ck.resume_from).expanduser().exists():
+        raise ConfigError(f"checkpoint.resume_from={ck.resume_from!r} does not exist")
+
+    # metrics
+    if tc.metrics.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package)
+        except Exception as exc:  # not installed, or too old / broken to import
+            raise ConfigError(
+                f"metrics.tensorboard=true needs the `tensorboard` package, which cannot be imported "
+                f"({type(exc).__name__}: {exc}); install it with pip install 'boost-compile[tensorboard]' "
+                "or set metrics.tensorboard=false"
+            ) from exc
+    return tc, shape
