@@ -49,7 +49,8 @@ def test_one_gradient_scaled_by_a_thousandth_fails():
     tested, eager, truth = one_step(llama(), boost)
     assert_parity(step_errors(tested, eager, truth))  # as measured: within the rule
     tested[1].layers[1].attention.q_proj.up.weight.grad *= 1.001
-    with pytest.raises(ParityError, match=r"grad\[0\]: tested 9\.99\de-04, .* ratio \d{3}\.\d\d, .* FAILS"):
+    # eager fp32's own error is not the same on every machine (ratios 870 and 1124 measured): 3 digits or more
+    with pytest.raises(ParityError, match=r"grad\[0\]: tested 9\.99\de-04, .* ratio \d{3,}\.\d\d, .* FAILS"):
         assert_parity(step_errors(tested, eager, truth), what="scaled gradient")
 
 
