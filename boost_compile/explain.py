@@ -113,6 +113,7 @@ class Explanation:
                 f"- bottleneck chains: {s['bottlenecks']}",
                 f"- sibling groups (shared input): {len(s['sibling_groups'])} (sizes {s['sibling_groups']})",
                 f"- RMSNorm sites: {sum(s['rmsnorms'].values())} {s['rmsnorms']}",
+                f"- LayerNorm sites: {s['layernorms']}",
                 f"- residual stream: {s['residual_adds']} adds",
                 "",
             ]

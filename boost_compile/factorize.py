@@ -1,4 +1,4 @@
-"""``factorize_``: swap dense ``nn.Linear`` layers for bottlenecks, in place.
+"""``factorize_``: swap dense ``nn.Linear`` layers (and GPT-2's ``Conv1D``) for bottlenecks, in place.
 
     bc.factorize_(model, bc.FactorizeConfig(rank_ratio=0.25, init="svd"))
 
@@ -6,6 +6,9 @@ Which layers: by default, the linears inside the repeated blocks, read from the
 captured graph (a linear whose output flows back into the residual stream); the
 embedding and the output head stay dense. ``filter_fn(module, fqn) -> bool``
 replaces that choice, as in torchao's ``quantize_``.
+
+A ``Conv1D`` (Hugging Face's GPT-2 projections: ``y = x @ W + b`` with W as
+[d_in, d_out], the transpose of a linear's) is factorized as the linear it is.
 
 Initialisation:
 - ``"svd"``: truncated SVD in fp32, sqrt of the singular values split into both
@@ -70,6 +73,19 @@ def saves_parameters(d_in: int, d_out: int, rank: int) -> bool:
 # ----------------------------------------------------------------------------- selection
 
 
+def dense_projection(module: nn.Module) -> tuple[int, int, torch.Tensor] | None:
+    """``(d_in, d_out, W as [d_out, d_in])`` for an ``nn.Linear`` or a GPT-2-style ``Conv1D``
+    (read by its shape, so transformers need not be imported), else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, module.weight
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2 and (
+        tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None))
+    ):
+        return int(weight.shape[0]), int(weight.shape[1]), weight.t()
+    return None
+
+
 @dataclass
 class FactorizedLayer:
     fqn: str
@@ -115,10 +131,10 @@ def default_example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 def block_linear_names(model: nn.Module, example_inputs: Sequence[Any]) -> set[str]:
-    """FQNs of the ``nn.Linear`` modules that lie inside the model's repeated blocks."""
+    """FQNs of the ``nn.Linear`` (and ``Conv1D``) modules that lie inside the model's repeated blocks."""
     views = capture_views(model, *example_inputs)
     weights = {v.param_names[s.weight] for v in views for s in v.block_linears if s.weight in v.param_names}
-    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linears = {name for name, m in model.named_modules() if dense_projection(m) is not None}
     return {w.rsplit(".", 1)[0] for w in weights if w.endswith(".weight")} & linears
 
 
@@ -132,7 +148,7 @@ def factorize_(
     *,
     example_inputs: Sequence[Any] | None = None,
 ) -> FactorizeReport:
-    """Replace dense ``nn.Linear`` layers of ``model`` by ``LowRankLinear``, in place.
+    """Replace dense ``nn.Linear`` (and ``Conv1D``) layers of ``model`` by ``LowRankLinear``, in place.
 
     Without ``filter_fn`` the layers are the linears inside the repeated blocks,
     found in the graph captured from ``example_inputs`` (default: a small token
@@ -141,7 +157,7 @@ def factorize_(
     """
     if not isinstance(config, FactorizeConfig):
         raise TypeError(f"factorize_ takes a FactorizeConfig, got {type(config).__name__}")
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [(n, m) for n, m in model.named_modules() if dense_projection(m) is not None]
     if filter_fn is None:
         chosen = block_linear_names(model, example_inputs or default_example_inputs(model))
         selected = [(n, m) for n, m in linears if n in chosen]
@@ -150,7 +166,7 @@ def factorize_(
 
     report = FactorizeReport()
     for fqn, linear in selected:
-        d_in, d_out = linear.in_features, linear.out_features
+        d_in, d_out, _weight = dense_projection(linear)
         rank = config.rank_for(d_in, d_out)
         if not saves_parameters(d_in, d_out, rank):
             why = (
@@ -173,11 +189,11 @@ def factorize_(
     return report
 
 
-def _bottleneck_from(linear: nn.Linear, rank: int, config: FactorizeConfig) -> LowRankLinear:
-    weight = linear.weight
+def _bottleneck_from(linear: nn.Module, rank: int, config: FactorizeConfig) -> LowRankLinear:
+    d_in, d_out, weight = dense_projection(linear)  # weight as [d_out, d_in]
+    bias = getattr(linear, "bias", None)
     new = LowRankLinear(
-        linear.in_features, linear.out_features, rank,
-        bias=linear.bias is not None, activation=config.activation,
+        d_in, d_out, rank, bias=bias is not None, activation=config.activation,
         device=weight.device, dtype=weight.dtype,
     )
     if config.init == "svd":
@@ -189,13 +205,13 @@ def _bottleneck_from(linear: nn.Linear, rank: int, config: FactorizeConfig) -> L
             )
         down, up = svd_factors(weight, rank)
     else:
-        down, up = cola_factors(linear.in_features, linear.out_features, rank, dtype=weight.dtype, device=weight.device)
+        down, up = cola_factors(d_in, d_out, rank, dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
         new.down.weight.copy_(down)
         new.up.weight.copy_(up)
-        if linear.bias is not None:
+        if bias is not None:
             # svd keeps the layer's function, bias included; random starts from zero
-            new.up.bias.copy_(linear.bias if config.init == "svd" else torch.zeros_like(linear.bias))
+            new.up.bias.copy_(bias if config.init == "svd" else torch.zeros_like(bias))
     new.train(linear.training)
     return new
 

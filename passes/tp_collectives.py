@@ -32,12 +32,27 @@ where collectives are latency-bound (small T); where they are bandwidth-bound
 sharded input that feeds anything else gets its own all-reduce of the statistic
 (correct, one extra small collective), reported as such.
 
+Online LayerNorm (btp) folds the same way, with two statistics: each rank centres
+its slice on its own mean m_l (c_l = x_l - m_l), and the GEMM's all-reduce carries,
+in fp32, the tokens' [T, r] part (c_l g_l) @ A_l, their sum of squares about m_l and
+m_l itself in the rank's own column, plus the rows g_l @ A_l (one per rank) and
+b_l @ A_l (summed):
+
+    y = (H + (m - mean) @ G) * rsqrt(var + eps) + B
+    var = (sum_l M2_l + d_l * sum_l (m_l - mean)^2) / d
+
+Every m_l arrives exactly (it is summed with zeros), so the variance is combined
+from centred sums (Chan's parallel formula), not E[x^2] - mean^2, which loses the
+variance's digits when the mean is large against the spread. A norm without a
+weight or bias is found by what it computes and folded alike (g = 1, b = 0).
+
 The ``tp_sentinel`` that guards the model's input is removed here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -45,7 +60,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from boost_compile.analysis import RMSNormSite
+from boost_compile.analysis import LayerNormSite, RMSNormSite
 from boost_compile.analysis.fx_utils import LINEAR_TARGETS
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.shard import ParallelizeError, ShardSpec
@@ -78,30 +93,35 @@ class TPCollectivesPass(TPPass):
         # the norms whose input tp_localize left sharded on the last dim (btp's stream)
         sharded_norms = set(ctx.gm.meta.get(SHARDED_NORMS_KEY, ()))
         fixed: set[fx.Node] = set()
-        for site in view.rmsnorms:
+        replaced: dict[fx.Node, fx.Node] = {}  # a norm's old output -> its rewrite (a norm may read one)
+        for site in view.norms:
             if site.output not in sharded_norms:
                 continue
+            if site.input in replaced:  # modded-nanogpt: the first block's norm reads the embedding's norm
+                site = dataclasses.replace(site, input=replaced[site.input])
             fixed.add(site.output)
             users = list(site.output.users)
-            name = site.name
-            report.found.append(f"rmsnorm {name}")
+            kind = "layernorm" if isinstance(site, LayerNormSite) else "rmsnorm"
+            report.found.append(f"{kind} {site.name}")
             if users and all(u in row and u.args[0] is site.output for u in users):
                 separate = self.config.tp.norm_statistic == "separate"
+                online = _online_layernorm if kind == "layernorm" else _online_rmsnorm
                 for u in users:
                     with _provenance(graph, site.output):
-                        _online_rmsnorm(graph, site, u, row[u], separate)
+                        online(graph, site, u, row[u], separate)
                     done.add(u)
                     collectives += 2 if separate else 1
-                report.rewritten.append(f"rmsnorm {name} (online, in the GEMM's all-reduce)")
+                report.rewritten.append(f"{kind} {site.name} (online, in the GEMM's all-reduce)")
             else:
+                own = _stat_all_reduce_layernorm if kind == "layernorm" else _stat_all_reduce_rmsnorm
                 with _provenance(graph, site.output):
-                    _stat_all_reduce_rmsnorm(graph, site, _spec_of_site(site, specs, row))
+                    replaced[site.output] = own(graph, site, _spec_of_site(site, specs, row))
                 collectives += 1
-                report.rewritten.append(f"rmsnorm {name} (own statistic all-reduce)")
+                report.rewritten.append(f"{kind} {site.name} (own statistic all-reduce)")
 
         if missed := sharded_norms - fixed:
             raise ParallelizeError(
-                f"RMSNorm site(s) {sorted(n.name for n in missed)} normalise a sharded input but were not "
+                f"norm site(s) {sorted(n.name for n in missed)} normalise a sharded input but were not "
                 "found again after the earlier passes; their statistic would be this rank's alone"
             )
         for node, sp in gemms:
@@ -236,9 +256,10 @@ def _spec_through_cat(w: Any, specs: dict[fx.Node, ShardSpec]) -> ShardSpec | No
     return None
 
 
-def _spec_of_site(site: RMSNormSite, specs: dict[fx.Node, ShardSpec], row: dict[fx.Node, ShardSpec]) -> ShardSpec:
-    if site.weight is not None and site.weight in specs:
-        return specs[site.weight]
+def _spec_of_site(site: RMSNormSite | LayerNormSite, specs: dict[fx.Node, ShardSpec], row: dict[fx.Node, ShardSpec]) -> ShardSpec:
+    for p in (site.weight, getattr(site, "bias", None)):
+        if p is not None and p in specs:
+            return specs[p]
     return next(iter(specs.values()) if specs else iter(row.values()))
 
 
@@ -325,12 +346,20 @@ def _out_width(gemm: fx.Node) -> int:
     raise RuntimeError(f"cannot tell the output width of {gemm.name}")
 
 
-def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec) -> None:
+def _statistic_sum(graph: fx.Graph, local: fx.Node, spec: ShardSpec) -> fx.Node:
+    """A statistic summed over the group for a norm whose output stays sharded: each rank's
+    slice of the output depends on it differently, so its gradient is summed too (forward and
+    backward all-reduce: ``copy_to_tp(reduce_from_tp(.))``). Online norms need no backward sum:
+    their output, the row-parallel GEMM's reduced result, is the same on every rank."""
+    return graph.call_function(copy_to_tp, (graph.call_function(reduce_from_tp, (local, spec.group_name)), spec.group_name))
+
+
+def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec) -> fx.Node:
     x = site.input
     d_full = int(x.meta["example_value"].shape[-1]) * spec.world
     eps = _eps(site, x)
     with graph.inserting_before(site.output):
-        s = graph.call_function(reduce_from_tp, (_local_sumsq(graph, x), spec.group_name))
+        s = _statistic_sum(graph, _local_sumsq(graph, x), spec)
         rstd = graph.call_function(torch.rsqrt,
                                    (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
         normed = graph.call_function(operator.mul, (graph.call_method("float", (x,)), rstd))
@@ -340,3 +369,112 @@ def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec
         out = graph.call_method("type_as", (normed, x))
     out.meta.update(site.output.meta)
     site.output.replace_all_uses_with(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- online LayerNorm
+
+
+def _local_moments(graph: fx.Graph, x: fx.Node, spec: ShardSpec) -> tuple[fx.Node, fx.Node]:
+    """This rank's centred slice ``c = x - m_l`` (fp32) and its statistics [..., 1 + p]:
+    ``M2_l = sum(c^2)`` and the local mean ``m_l`` in column ``1 + rank`` (zeros elsewhere)."""
+    xf = graph.call_method("float", (x,))
+    m = graph.call_method("mean", (xf, -1), {"keepdim": True})
+    c = graph.call_function(operator.sub, (xf, m))
+    m2 = graph.call_method("sum", (graph.call_function(operator.mul, (c, c)), -1), {"keepdim": True})
+    slots = graph.call_function(torch.nn.functional.pad, (m, (spec.rank, spec.world - 1 - spec.rank)))
+    return c, graph.call_function(torch.cat, ([m2, slots], -1))
+
+
+def _whole_moments(graph: fx.Graph, stats: fx.Node, d_local: int, spec: ShardSpec, eps: float) -> tuple[fx.Node, fx.Node]:
+    """From the summed statistics: every rank's mean minus the whole mean ([..., p]) and rstd ([..., 1]).
+
+    var = (sum_l M2_l + d_l sum_l (m_l - mean)^2) / d, with every m_l known exactly (each
+    travelled alone in its column): no E[x^2] - mean^2, which loses the digits of the
+    variance when the mean is large against the spread."""
+    p = spec.world
+    m2 = graph.call_function(operator.getitem, (stats, (Ellipsis, slice(0, 1))))
+    means = graph.call_function(operator.getitem, (stats, (Ellipsis, slice(1, 1 + p))))
+    mean = graph.call_method("mean", (means, -1), {"keepdim": True})
+    dev = graph.call_function(operator.sub, (means, mean))
+    between = graph.call_method("sum", (graph.call_function(operator.mul, (dev, dev)), -1), {"keepdim": True})
+    var = graph.call_function(operator.truediv, (graph.call_function(operator.add, (m2, graph.call_function(
+        operator.mul, (between, d_local)))), d_local * p))
+    rstd = graph.call_function(torch.rsqrt, (graph.call_function(operator.add, (var, eps)),))
+    return dev, rstd
+
+
+def _online_layernorm(graph: fx.Graph, site: LayerNormSite, gemm: fx.Node, spec: ShardSpec, separate: bool = False) -> None:
+    """LayerNorm -> row-parallel GEMM, its statistics in the GEMM's all-reduce:
+
+        LN(x) @ A = (sum_l (c_l g_l) @ A_l + sum_l (m_l - mean) (g_l @ A_l)) * rstd + sum_l b_l @ A_l
+
+    with ``c_l = x_l - m_l`` centred on this rank's own mean (no large terms cancel). Packed as
+    rows of one fp32 all-reduce: the tokens' [N, r | M2 | means] and, below them, each rank's
+    ``g_l @ A_l`` in its own row and the summed ``b_l @ A_l``. ``separate``: the GEMM rows in
+    the model's dtype, the statistics in their own fp32 all-reduce."""
+    call, method = graph.call_function, graph.call_method
+    pad, get = torch.nn.functional.pad, operator.getitem
+    x = site.input
+    shape = tuple(int(n) for n in x.meta["example_value"].shape)
+    lead, d_local = shape[:-1], shape[-1]
+    n_tok = 1
+    for n in lead:
+        n_tok *= n
+    p, r, rank = spec.world, _out_width(gemm), spec.rank
+    if gemm.kwargs.get("bias") is not None or (len(gemm.args) > 2 and gemm.args[2] is not None):
+        raise ParallelizeError(f"{gemm.name}: a row-parallel GEMM with a bias after a LayerNorm (the bias is not summed)")
+
+    def gemm_of(a: fx.Node) -> fx.Node:  # the row-parallel GEMM on another input
+        return call(gemm.target, (method("type_as", (a, x)), *gemm.args[1:]), dict(gemm.kwargs))
+
+    with graph.inserting_before(gemm):
+        c, stats = _local_moments(graph, x, spec)
+        g = site.weight if site.weight is not None else method("new_ones", (x, (d_local,)))
+        h_local = gemm_of(call(operator.mul, (c, g)) if site.weight is not None else c)
+        rows = [
+            method("reshape", (h_local, n_tok, r)),
+            call(pad, (gemm_of(method("view", (g, 1, d_local))), (0, 0, rank, p - 1 - rank))),  # g_l @ A_l in row rank
+        ]
+        if site.bias is not None:
+            rows.append(gemm_of(method("view", (site.bias, 1, d_local))))
+        if separate:
+            summed = method("float", (call(reduce_from_tp, (call(torch.cat, (rows, 0)), spec.group_name)),))
+            stats = call(reduce_from_tp, (stats, spec.group_name))
+        else:
+            width = r + 1 + p
+            tokens = call(torch.cat, ([method("float", (rows[0],)), method("reshape", (stats, n_tok, 1 + p))], -1))
+            extra = [call(pad, (method("float", (row,)), (0, width - r))) for row in rows[1:]]
+            summed = call(reduce_from_tp, (call(torch.cat, ([tokens, *extra], 0)), spec.group_name))
+            stats = method("reshape", (call(get, (summed, (slice(0, n_tok), slice(r, width)))), *lead, 1 + p))
+        h = method("reshape", (call(get, (summed, (slice(0, n_tok), slice(0, r)))), *lead, r))
+        g_all = call(get, (summed, (slice(n_tok, n_tok + p), slice(0, r))))  # [p, r]: every rank's g_l @ A_l
+        dev, rstd = _whole_moments(graph, stats, d_local, spec, float(site.eps))
+        y = call(operator.mul, (call(operator.add, (h, call(torch.matmul, (dev, g_all)))), rstd))
+        if site.bias is not None:
+            y = call(operator.add, (y, call(get, (summed, (slice(n_tok + p, n_tok + p + 1), slice(0, r))))))
+        out = method("type_as", (y, x))
+    out.meta.update(gemm.meta)
+    gemm.replace_all_uses_with(out)
+    graph.erase_node(gemm)
+
+
+def _stat_all_reduce_layernorm(graph: fx.Graph, site: LayerNormSite, spec: ShardSpec) -> fx.Node:
+    """A LayerNorm on a sharded input that feeds more than row-parallel GEMMs: its statistics in an
+    all-reduce of their own, then this rank's slice normalised: ``(c_l + m_l - mean) * rstd * g_l + b_l``."""
+    x = site.input
+    d_local = int(x.meta["example_value"].shape[-1])
+    with graph.inserting_before(site.output):
+        c, stats = _local_moments(graph, x, spec)
+        stats = _statistic_sum(graph, stats, spec)
+        dev, rstd = _whole_moments(graph, stats, d_local, spec, float(site.eps))
+        own = graph.call_function(operator.getitem, (dev, (Ellipsis, slice(spec.rank, spec.rank + 1))))
+        normed = graph.call_function(operator.mul, (graph.call_function(operator.add, (c, own)), rstd))
+        if site.weight is not None:
+            normed = graph.call_function(operator.mul, (normed, site.weight))
+        if site.bias is not None:
+            normed = graph.call_function(operator.add, (normed, site.bias))
+        out = graph.call_method("type_as", (normed, x))
+    out.meta.update(site.output.meta)
+    site.output.replace_all_uses_with(out)
+    return out

@@ -20,7 +20,9 @@ tensor meets a sharded one (a tied embedding's output entering the d-sharded
 stream) it inserts ``scatter_to_tp``; where a sharded tensor meets a consumer that
 needs it whole (the final norm, a replicated head, the graph's output)
 ``gather_from_tp``. Reductions over the sharded dim are allowed only inside an
-RMSNorm site, whose statistic ``tp_collectives`` then sums over the group.
+RMSNorm or LayerNorm site, whose statistics ``tp_collectives`` then sums over the
+group; a norm with no weight stays sharded when only row-parallel GEMMs read it, and
+is gathered before anything else (the final norm of modded-nanogpt).
 
 The output head cut on the vocabulary makes the logits sharded on their last
 dim; they pass casts, views that keep that dim whole and indexing of other dims
@@ -30,7 +32,7 @@ consumer, like the graph's output, gets them gathered (padding dropped).
 
 Then shapes are propagated again through the rank's graph, and every node must
 have the unsharded node's shape with exactly its sharded dim divided by the TP
-degree (rounded up for a padded vocabulary). What cannot be placed (LayerNorm or softmax over the sharded dim, a view
+degree (rounded up for a padded vocabulary). What cannot be placed (a softmax or a hand-written norm over the sharded dim, a view
 that no contiguous slice can hold, a parameter read other than through its
 module attribute, ...) is refused with a ``ParallelizeError`` that names the op,
 the shapes and the model's source line, before the first step runs.
@@ -47,7 +49,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import GraphView, RMSNormSite
+from boost_compile.analysis import GraphView, LayerNormSite, RMSNormSite
 from boost_compile.analysis.fx_utils import LINEAR_TARGETS, is_custom_op, is_full_view, module_path
 from boost_compile.distributed.collectives import (
     gather_from_tp,
@@ -148,8 +150,8 @@ class _Localizer(ShapeRules):
         self.vocab_losses = 0
         self.sharded_norms: list[fx.Node] = []
         view = GraphView(self.gm, ctx.example_inputs, ctx.config.analysis)
-        self.site_of: dict[fx.Node, RMSNormSite] = {}
-        for site in view.rmsnorms:
+        self.site_of: dict[fx.Node, RMSNormSite | LayerNormSite] = {}
+        for site in view.norms:
             for n in site.nodes:
                 self.site_of.setdefault(n, site)
         self.decided: set[int] = set()
@@ -287,12 +289,12 @@ class _Localizer(ShapeRules):
             return self._sdpa(node)
         if node.op == "call_function" and t is F.embedding:
             return self._embedding(node)
-        if node.op == "call_function" and t in (torch.rms_norm, F.rms_norm):
-            return self._fused_rms_norm(node)
-        if node.op == "call_function" and t in (F.layer_norm, torch.layer_norm, F.group_norm):
-            return self._needs_whole(node, node.args[0], "layer_norm normalises over the last dim, which this plan shards",
-                                     "btp shards the residual stream on d and supports RMSNorm there; "
-                                     "use plan='megatron' (dense) or 'vanilla', or an RMSNorm model")
+        if node.op == "call_function" and t in (torch.rms_norm, F.rms_norm, F.layer_norm, torch.layer_norm):
+            return self._fused_norm(node)
+        if node.op == "call_function" and t is F.group_norm:
+            return self._needs_whole(node, node.args[0], "group_norm normalises over the channels, which this plan shards",
+                                     "btp shards the residual stream on d and supports RMSNorm and LayerNorm there; "
+                                     "use plan='megatron' (dense) or 'vanilla'")
         if node.op == "call_function" and t in SOFTMAX or (node.op == "call_method" and t in ("softmax", "log_softmax")):
             return self._reduce(node, keep=True)
         if is_method_or_fn(node, REDUCTIONS):
@@ -579,16 +581,25 @@ class _Localizer(ShapeRules):
             self._refuse(node, f"an embedding table sharded on dim {p.dim} (only its columns, dim 1, can be)", "")
         return Sharded(len(self.full[node]) - 1)
 
-    def _decide_site(self, site: RMSNormSite) -> None:
-        """An RMSNorm on a sharded input with a sharded weight stays sharded (tp_collectives
-        sums its statistic); with a whole weight its input is gathered; a replicated input
-        with a sharded weight is sliced."""
+    def _decide_site(self, site: RMSNormSite | LayerNormSite) -> None:
+        """A norm over the last dim of an input sharded on that dim stays sharded (tp_collectives
+        sums its statistics) when its parameters are sharded too, or, without parameters, unless
+        a GEMM that needs a whole input reads it (the head); otherwise its input is gathered. A
+        replicated input with sharded parameters is sliced. A norm over a dim that is not the
+        sharded one (a q/k norm over the head dim of local heads) is this rank's own."""
         x = site.input
         xp = self.place.get(x)
-        wp = self._weight_placement(site.weight)
         last = len(self.full[x]) - 1 if self.full.get(x) is not None else None
+        if xp is not None and xp.dim != last and not xp.sections:
+            return  # normalises within each rank's slice
+        params = [p for p in (site.weight, getattr(site, "bias", None)) if p is not None]
+        placements = {self._weight_placement(p) for p in params}
+        if len(placements) > 1:
+            self._refuse(site.output, f"a norm whose weight and bias are cut differently ({placements})", "")
+        wp = placements.pop() if placements else None
         users = [n for n in site.nodes if x in n.all_input_nodes]
-        if xp is not None and (wp is None and site.weight is not None):
+        whole = wp is None and (params or self._feeds_a_whole_input_gemm(site.output))
+        if xp is not None and whole:
             for n in users:
                 self._gather_input(n, x)
             return
@@ -598,9 +609,22 @@ class _Localizer(ShapeRules):
             xp = Sharded(last)
         if xp is not None:
             if xp.dim != last or xp.sections:
-                self._refuse(site.output, f"an RMSNorm over the last dim of an input sharded on dim {xp.dim}", "")
+                self._refuse(site.output, f"a norm over the last dim of an input sharded on dim {xp.dim}", "")
             self.exempt.update(n for n in site.nodes if is_method_or_fn(n, REDUCTIONS))
             self.sharded_norms.append(site.output)
+
+    def _feeds_a_whole_input_gemm(self, out: fx.Node) -> bool:
+        """A weightless norm's output read by a GEMM whose weight is not row-parallel (a head, a
+        replicated weight): that GEMM needs the whole input, so the norm runs on the whole stream.
+        Otherwise the norm stays sharded: online in row-parallel GEMMs, or with its own statistic."""
+        def whole_input_gemm(u: fx.Node) -> bool:
+            if not (u.op == "call_function" and (u.target in LINEAR_TARGETS or u.target in MATMUL)) or u.args[0] is not out:
+                return False
+            w = self._weight_spec_node(u.args[1])
+            spec = self.specs.get(w.args[0] if w is not None and is_full_view(w) else w)
+            return spec is None or spec.role != "row"
+
+        return any(whole_input_gemm(u) for u in out.users)
 
     def _weight_placement(self, w: Any) -> Placement:
         """From the spec: a module reads its weight after the normalisation it scales (graph order)."""
@@ -611,12 +635,21 @@ class _Localizer(ShapeRules):
             return Sharded(spec.dim, spec.sections)
         return self.place.get(w)
 
-    def _fused_rms_norm(self, node: fx.Node) -> Placement:
+    def _fused_norm(self, node: fx.Node) -> Placement:
+        """``rms_norm`` / ``layer_norm``: on the sharded last dim only as a site ``_decide_site`` kept
+        sharded (tp_collectives gives it the whole statistics); on another dim, this rank's own."""
         x = node.args[0]
         xp = self.place.get(x)
         if xp is None:
             return None
-        # _decide_site made the input and the weight agree; the normalised shape is the local one
+        last = len(self.full[x]) - 1
+        if xp.dim != last:
+            return Sharded(xp.dim, xp.sections)
+        if node not in self.sharded_norms:
+            self._refuse(node, f"{fn_name(node)} normalises over the sharded last dim, and is not a norm this plan can "
+                         "give the whole statistics (over more than the last dim, or its parameters not cut alike)",
+                         "normalise over the last dim alone, with parameters of the model's width")
+        # _decide_site made the input and the parameters agree; the normalised shape is the local one
         shape = node.args[1]
         if isinstance(shape, (list, tuple)) and shape and isinstance(shape[-1], int):
             local = (*shape[:-1], shape[-1] // self.world)

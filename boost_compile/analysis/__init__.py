@@ -10,13 +10,14 @@ from boost_compile.analysis.fx_utils import (
     meta_tensor,
     source_to_fqn,
 )
-from boost_compile.analysis.norm_match import RMSNormSite
+from boost_compile.analysis.norm_match import LayerNormSite, RMSNormSite
 from boost_compile.analysis.view import BottleneckChain, GraphView, LinearSite, SiblingGroup
 
 __all__ = [
     "ACTIVATION_TARGETS",
     "BottleneckChain",
     "GraphView",
+    "LayerNormSite",
     "LinearSite",
     "RMSNormSite",
     "SiblingGroup",

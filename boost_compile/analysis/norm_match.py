@@ -4,7 +4,9 @@
 ``nn.RMSNorm`` nodes, and the decomposed ``x * rsqrt(mean(x^2) + eps) * w`` chain
 in its common spellings, matched by value (``x.float()`` written twice is one x,
 see ``same_value``): Hugging Face's and Meta's fp32-upcast forms, and Gemma's
-``(1 + w)`` weight form. ``GraphView.rmsnorms`` calls it; passes read the sites.
+``(1 + w)`` weight form. ``find_layernorms`` finds ``F.layer_norm`` / ``nn.LayerNorm``
+over the last dim. A norm is found by what it computes: weight and bias are optional.
+``GraphView.rmsnorms`` / ``layernorms`` call them; passes read the sites.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.fx as fx
 
 from boost_compile.analysis.fx_utils import (
     ADD_TARGETS,
+    LAYER_NORM_TARGETS,
     MUL_TARGETS,
     RMS_NORM_TARGETS,
     RSQRT_TARGETS,
@@ -55,6 +58,55 @@ class RMSNormSite:
             return self.output.name
         return self.param_name.removesuffix(".weight")
 
+
+@dataclass
+class LayerNormSite:
+    """A LayerNorm over the last dim: ``out = (x - mean(x)) / sqrt(var(x) + eps) * w + b``.
+
+    ``F.layer_norm`` / ``nn.LayerNorm`` (weight and bias optional); ``nodes`` as for
+    ``RMSNormSite``. ``bias_name``: the bias parameter's name, when it has one.
+    """
+
+    input: fx.Node
+    output: fx.Node
+    weight: fx.Node | None
+    bias: fx.Node | None
+    eps: float
+    nodes: list[fx.Node] = field(default_factory=list)
+    param_name: str | None = None
+    bias_name: str | None = None
+    form: str = "layer_norm"
+
+    @property
+    def name(self) -> str:
+        named = self.param_name or self.bias_name
+        if named is None:
+            return self.output.name
+        return named.rsplit(".", 1)[0]
+
+
+def find_layernorms(graph: fx.Graph, param_names: Mapping[fx.Node, str]) -> list[LayerNormSite]:
+    """Every ``F.layer_norm`` / ``torch.layer_norm`` that normalises over the last dim alone."""
+    sites = []
+    for node in graph.nodes:
+        if not is_call(node, LAYER_NORM_TARGETS):
+            continue
+        args = list(node.args) + [None] * 5
+        x, shape = args[0], args[1] if args[1] is not None else node.kwargs.get("normalized_shape")
+        weight = args[2] if args[2] is not None else node.kwargs.get("weight")
+        bias = args[3] if args[3] is not None else node.kwargs.get("bias")
+        eps = args[4] if args[4] is not None else node.kwargs.get("eps", 1e-5)
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not isinstance(x, fx.Node) or not isinstance(shape, (list, tuple)) or len(shape) != 1 or not _is_number(eps):
+            continue  # over several dims, or a computed eps: not a site
+        sites.append(LayerNormSite(
+            input=x, output=node, weight=weight if isinstance(weight, fx.Node) else None,
+            bias=bias if isinstance(bias, fx.Node) else None, eps=float(eps), nodes=[node],
+            param_name=param_names.get(weight) if isinstance(weight, fx.Node) else None,
+            bias_name=param_names.get(bias) if isinstance(bias, fx.Node) else None,
+        ))
+    return sites
 
 
 def find_rmsnorms(

@@ -10,7 +10,7 @@ real tensors come in ``example_inputs``. ``GraphView`` finds, once:
   inner width r at most ``bottleneck_max_ratio`` of both outer widths;
 - sibling groups: two or more linears that read the same input and have no path
   between them (q/k/v, gate/up);
-- RMSNorm sites (``norm_match``);
+- RMSNorm and LayerNorm sites (``norm_match``), with or without a weight;
 - the residual stream: the chain of adds ``h = h + branch(h)``.
 
 A networkx DiGraph mirrors the FX data-flow edges for reachability questions.
@@ -42,7 +42,7 @@ from boost_compile.analysis.fx_utils import (
     source_to_fqn,
     static_shape,
 )
-from boost_compile.analysis.norm_match import RMSNormSite, find_rmsnorms
+from boost_compile.analysis.norm_match import LayerNormSite, RMSNormSite, find_layernorms, find_rmsnorms
 from boost_compile.config import AnalysisConfig
 
 
@@ -335,11 +335,24 @@ class GraphView:
         return find_rmsnorms(self.graph, self.is_param, self.param_names)
 
     @cached_property
+    def layernorms(self) -> list[LayerNormSite]:
+        """Every LayerNorm over the last dim (see ``norm_match.find_layernorms``)."""
+        return find_layernorms(self.graph, self.param_names)
+
+    @property
+    def norms(self) -> list[RMSNormSite | LayerNormSite]:
+        """RMSNorm and LayerNorm sites, in graph order."""
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        return sorted([*self.rmsnorms, *self.layernorms], key=lambda s: order[s.output])
+
+    @cached_property
     def residual_stream(self) -> list[fx.Node]:
         """The skip path: ``[source, add_1, add_2, ...]`` of a pre-norm network.
 
         An add is on the stream when one operand is an ancestor of the other (the
-        skip operand feeds the branch). The longest such chain is the stream.
+        skip operand feeds the branch). The longest such chain is the stream. Views
+        between two adds that keep the last dim (OPT flattens the tokens around its
+        MLP: ``h.reshape(-1, d)``, then ``.view(shape)``) are on the stream too.
         """
         skip_of: dict[fx.Node, fx.Node] = {}
         for node in self.graph.nodes:
@@ -359,8 +372,11 @@ class GraphView:
         for node in self.graph.nodes:  # topological order
             if node not in skip_of:
                 continue
-            skip = skip_of[node]
-            chain = memo[skip] + [node] if skip in memo else [skip, node]
+            skip, views = skip_of[node], []
+            while skip not in memo and _is_stream_view(skip):  # OPT: h.reshape(-1, d) + mlp, .view(shape)
+                views.append(skip)
+                skip = skip.args[0]
+            chain = memo[skip] + views[::-1] + [node] if skip in memo else [skip_of[node], node]
             memo[node] = chain
             if len(chain) > len(best):
                 best = chain
@@ -394,5 +410,17 @@ class GraphView:
             "bottlenecks": len(self.bottlenecks),
             "sibling_groups": [len(g.members) for g in self.sibling_groups],
             "rmsnorms": {form: sum(1 for s in self.rmsnorms if s.form == form) for form in sorted({s.form for s in self.rmsnorms})},
+            "layernorms": len(self.layernorms),
             "residual_adds": max(0, len(self.residual_stream) - 1),
         }
+
+
+def _is_stream_view(node: Any) -> bool:
+    """A view or reshape of one tensor that keeps its last dim (the stream's width)."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    viewing = (node.op == "call_method" and node.target in ("view", "reshape", "flatten")) or (
+        node.op == "call_function" and node.target in (torch.reshape, torch.flatten)
+    )
+    a, b = static_shape(node), static_shape(node.args[0])
+    return viewing and a is not None and b is not None and len(a) > 0 and len(b) > 0 and a[-1] == b[-1]

@@ -75,7 +75,8 @@ Communication is not overlapped with compute (TP collectives sit on the critical
 path). Not modelled: kernel-launch and framework overheads, activation
 recomputation, the vocab-parallel cross-entropy's [T] reductions, the embedding
 gather/scatter, the online-RMSNorm statistic ([T] fp32 riding on the [T, 3r] and
-[T, 2r] all-reduces, under 0.1% of the payload), overlap of the data-parallel
+[T, 2r] all-reduces, under 0.1% of the payload; online LayerNorm's larger statistics
+are priced, see ``layer_collectives``), overlap of the data-parallel
 gradient all-reduce with the backward.
 
 Pipeline: ``Workload.micro_batches`` = ``m`` = 1 by default, i.e. the batch of 4
@@ -149,6 +150,9 @@ class Shape:
     layers: int
     heads: int
     vocab: int = 32000
+    #: "rmsnorm" (Llama), or "layernorm": priced as RMSNorm's element passes, and under btp its
+    #: statistics ride in the down factors' all-reduces (see ``layer_collectives``)
+    norm: str = "rmsnorm"
 
     @property
     def rank(self) -> int:
@@ -353,15 +357,30 @@ class Collectives:
     bwd_bytes: int
 
 
-def layer_collectives(system: str, shape: Shape, tokens: int, dtype_bytes: int = 2) -> Collectives:
-    """One layer's all-reduces (payload = tensor size, as ``bench.bytes_per_layer`` counts it)."""
+def layer_collectives(system: str, shape: Shape, tokens: int, dtype_bytes: int = 2, p: int = 1) -> Collectives:
+    """One layer's all-reduces (payload = tensor size, as ``bench.bytes_per_layer`` counts it).
+
+    btp on a LayerNorm model (``shape.norm``) adds, in each of the two norms' forward
+    all-reduces, the fp32 statistics of online LayerNorm: [T, 1 + p] (the sum of squares
+    about each rank's mean, and every rank's mean) and the [p + 1, r_group] rows of
+    ``g_l @ A_l`` and ``b @ A`` (``layernorm_statistic_bytes``).
+    """
     _check_system(system)
     d, ff, r, e = shape.d, shape.d_ff, shape.rank, dtype_bytes
     if system == "full-rank":
         return Collectives(2, 2 * tokens * d * e, 2, 2 * tokens * d * e)
     if system == "vanilla":
         return Collectives(7, tokens * (5 * d + 2 * ff) * e, 7, tokens * (6 * d + ff) * e)
-    return Collectives(4, 7 * tokens * r * e, 4, 7 * tokens * r * e)
+    stats = layernorm_statistic_bytes(tokens, (3 * r, 2 * r), p) if shape.norm == "layernorm" and p > 1 else 0
+    return Collectives(4, 7 * tokens * r * e + stats, 4, 7 * tokens * r * e)
+
+
+def layernorm_statistic_bytes(tokens: int, group_ranks: tuple[int, ...], p: int, bias: bool = True) -> int:
+    """fp32 bytes online LayerNorm adds to the all-reduces of the down factors it feeds, one
+    norm per entry of ``group_ranks`` (the width r of each grouped down factor): the tokens'
+    1 + p statistic columns, and p (+ 1 with a bias) rows of the packed width r + 1 + p."""
+    rows = p + (1 if bias else 0)
+    return sum(4 * (tokens * (1 + p) + rows * (r + 1 + p)) for r in group_ranks)
 
 
 def layer_params(system: str, shape: Shape, p: int) -> float:
@@ -412,7 +431,7 @@ def layer_cost(
     width = attention_heads(system, shape, p) * shape.head_dim
     attn = attention_flops(batch, seq, width, wl.causal_fraction) * (1 + wl.attention_bwd_factor)
     ew = layer_elementwise_bytes(system, shape, tokens, p, e)
-    coll = layer_collectives(system, shape, tokens, e)
+    coll = layer_collectives(system, shape, tokens, e, p)
     grouped = p > 1
     return Cost(
         gemm_flops=3 * sum(linear_flops(g.m, g.k, g.n) for g in gemms),

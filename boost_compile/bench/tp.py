@@ -40,9 +40,11 @@ from typing import Any
 import torch
 
 from boost_compile import _torch_compat as compat
+from boost_compile.analysis.fx_utils import in_blocks
 from boost_compile.bench import profile
 from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, Target, bar_chart
+from boost_compile.models.llama import NORMS
 
 VARIANTS = [
     ("dense, megatron", "dense", "megatron"),
@@ -65,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--inner", default="inductor", choices=("inductor", "aot_eager"))
     p.add_argument("--profile", action="store_true", help="profile one more step of each TP variant on rank 0: time by category")
+    p.add_argument("--norm", default="rmsnorm", choices=NORMS,
+                   help="the models' norms: Llama's RMSNorm, or LayerNorm with a bias (btp: online LayerNorm)")
 
 
 def _setup(rank: int, world: int, store: str, kernel_profile: bool) -> int:
@@ -165,7 +169,7 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
         presets = dict(zip(("dense", "cola"), timing.preset_pair(args["size"]), strict=True))
         raw, steps, records, layers, heads, dims = {}, {}, {}, {}, {}, {}
         for label, family, plan in VARIANTS:
-            model = timing.build_model(presets[family], args["seq"], args["vocab"])
+            model = timing.build_model(presets[family], args["seq"], args["vocab"], norm=args["norm"])
             tokens = timing.tokens_for(model, args["batch"], args["seq"])
             report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=plan, vocab_parallel=True)
             records[label] = Recorder(keep_view=False)
@@ -175,7 +179,7 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
             steps[label], layers[label], heads[label] = _synced(raw[label]), model.config.n_layers, _head_width(model, report)
             dims[label] = model.config.dim
         for family, label in SINGLE.items():
-            model = timing.build_model(presets[family], args["seq"], args["vocab"])
+            model = timing.build_model(presets[family], args["seq"], args["vocab"], norm=args["norm"])
             tokens = timing.tokens_for(model, args["batch"], args["seq"])
             steps[label] = _synced(_compiled_step(model, tokens, args["inner"], Recorder(keep_view=False)))
         times = timing.round_robin(steps, args["repeats"], args["warmup"])
@@ -194,6 +198,8 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
                 "head_width": heads[label],
                 "collectives": {k: len(v) for k, v in colls.items()},
                 "bytes": {k: sum(c["bytes"] or 0 for c in v) for k, v in colls.items()},
+                # what the blocks send (the gather before the final norm and the loss's [T] reductions left out)
+                "block_bytes": {k: sum(c["bytes"] or 0 for c in v if in_blocks(c.get("module") or "")) for k, v in colls.items()},
             }
         single = {
             label: {"preset": presets[family], "step_s": statistics.median(times[label]), "times_s": times[label],
@@ -313,7 +319,7 @@ def run(args: argparse.Namespace) -> Result:
 
     folder = tempfile.mkdtemp(prefix="boost_bench_tp_")
     store, out = os.path.join(folder, "store"), os.path.join(folder, "results.json")
-    params = {k: getattr(args, k) for k in ("size", "seq", "batch", "vocab", "repeats", "warmup", "inner", "profile")}
+    params = {k: getattr(args, k) for k in ("size", "seq", "batch", "vocab", "repeats", "warmup", "inner", "profile", "norm")}
     mp.spawn(_worker, args=(2, store, params, out), nprocs=2, join=True)
     with open(out) as f:
         data = json.load(f)
@@ -323,7 +329,7 @@ def run(args: argparse.Namespace) -> Result:
     vocab = f"vocab {data['vocab']}" + (f" (--vocab {args.vocab})" if args.vocab else " (the presets', --vocab 0)")
     lines = [
         f"TP=2 on CPU (gloo, {data['threads']} thread(s) per process), {variants[MEGATRON]['preset']} vs {variants[BTP]['preset']}, "
-        f"batch {args.batch} x seq {args.seq}, {vocab}, boost with inner {args.inner}"
+        f"batch {args.batch} x seq {args.seq}, {vocab}, {args.norm}, boost with inner {args.inner}"
         f"{' (Inductor kernel profiling on, --profile)' if args.profile else ''}; forward+backward, "
         f"variants round-robin, wall clock, median of {args.repeats} steps after {args.warmup} warm-up steps; "
         "1-process rows: the unparallelized model on each rank at once, rank 0's time.",

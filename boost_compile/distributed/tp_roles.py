@@ -25,7 +25,7 @@ class Roles:
     view: GraphView
     embedding: str | None  # the module whose input carries the eager-mode guard
     shardable_embeddings: list[str]  # weights of embeddings that feed the stream and nothing else
-    block_norms: list[str]
+    block_norms: list[str]  # weights and biases of the norms inside the blocks (cut on d under btp)
     chains: list[tuple[str, str, str, str]]  # (down weight, down layout, up weight, up layout)
     dense: list[tuple[str, str, str]]  # (weight, layout, "row"|"col")
     biases: dict[str, str]  # weight -> bias
@@ -50,7 +50,11 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
     embedding = names[lookups[0].args[1]] if lookups else None
     shardable = [names[n.args[1]] for n in lookups if len(n.args[1].users) == 1]
     stream_set = set(stream)
-    block_norms = [s.param_name for s in view.rmsnorms if s.input in stream_set and s.input is not stream[-1] and s.param_name]
+    # the parameters (weight, LayerNorm bias) of the norms that read the stream inside the blocks
+    block_norms = [
+        name for s in view.norms if s.input in stream_set and s.input is not stream[-1]
+        for name in (s.param_name, getattr(s, "bias_name", None)) if name
+    ]
     in_chain = set()
     chains = []
     sections: dict[str, tuple[int, ...]] = {}

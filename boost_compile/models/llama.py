@@ -26,6 +26,8 @@ from torch import Tensor, nn
 from boost_compile.models.lowrank import LowRankLinear, break_even_rank
 
 PROJECTIONS = ("dense", "lowrank", "cola")
+#: ``norm``: Llama's RMSNorm, or LayerNorm with a bias (GPT-2, OPT and their kin)
+NORMS = ("rmsnorm", "layernorm")
 INIT_STD = 0.02
 #: ``config.json``'s ``model_type`` for :meth:`Llama.save_pretrained`
 MODEL_TYPE = "boost_llama"
@@ -103,6 +105,7 @@ class LlamaConfig:
     rank_attn: int | None = None
     rank_mlp: int | None = None
     bias: bool = False
+    norm: str = "rmsnorm"
 
     def __post_init__(self) -> None:
         for name in (
@@ -131,6 +134,8 @@ class LlamaConfig:
             raise ValueError(f"head_dim = dim / n_heads ({self.head_dim}) must be even for RoPE")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}")
         if self.projection == "dense":
             return
         if self.rank_attn is None:
@@ -174,13 +179,14 @@ class LlamaConfig:
 
     def num_params(self) -> int:
         """Parameter count computed from the shapes alone (matches ``Llama.num_params``)."""
-        block = 2 * self.dim  # attention_norm and ffn_norm weights
+        norm = self.dim * (2 if self.norm == "layernorm" else 1)  # weight (and bias) of one norm
+        block = 2 * norm  # attention_norm and ffn_norm
         for d_in, d_out, rank in self.projection_shapes().values():
             block += d_in * d_out if rank is None else rank * (d_in + d_out)
             block += d_out if self.bias else 0
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return embed + self.n_layers * block + self.dim + head
+        return embed + self.n_layers * block + norm + head
 
     @classmethod
     def presets(cls) -> list[str]:
@@ -293,14 +299,21 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def make_norm(config: LlamaConfig) -> nn.Module:
+    """The block and final norm over ``dim``: RMSNorm, or LayerNorm with a bias."""
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.dim, eps=config.norm_eps)
+    return nn.RMSNorm(config.dim, eps=config.norm_eps)
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: attention then MLP, each with a residual."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_norm = make_norm(config)
         self.attention = Attention(config)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = make_norm(config)
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -317,7 +330,7 @@ class Llama(nn.Module):
         with torch.device(device) if device is not None else nullcontext():
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-            self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+            self.norm = make_norm(config)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
             if config.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
@@ -345,8 +358,10 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            elif isinstance(module, nn.RMSNorm):
+            elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
         self.reset_rope()
 
     @torch.no_grad()

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from boost_compile.bench import cli, profile
+from boost_compile.bench import cli, profile, scale_model
 from boost_compile.bench.results import load
+from boost_compile.bench.scale_model import layernorm_statistic_bytes
 from boost_compile.models import Llama, LlamaConfig
 
 SEQ, BATCH, MICRO = 16, 4, 2
@@ -15,10 +16,11 @@ SEQ, BATCH, MICRO = 16, 4, 2
 
 @pytest.fixture(scope="module")
 def tp_tiny(tmp_path_factory):
-    """One ``boost-bench tp --profile`` run at tiny size, shared by the tests that read it."""
+    """One ``boost-bench tp --profile`` run at tiny size on LayerNorm models (btp: online LayerNorm;
+    RMSNorm's online norm is covered by tests/distributed/test_tp.py), shared by the tests that read it."""
     out = tmp_path_factory.mktemp("tp")
     cli.main(["tp", "--size", "tiny", "--seq", "16", "--repeats", "1", "--warmup", "0", "--inner", "aot_eager",
-              "--profile", "--out", str(out)])
+              "--profile", "--norm", "layernorm", "--out", str(out)])
     return out, load(str(out), "tp")
 
 @pytest.mark.slow
@@ -39,6 +41,21 @@ def test_tp_on_tiny(tp_tiny):
     assert (tmp_path / "tp.png").exists()
 
 @pytest.mark.slow
+def test_tp_block_bytes_are_btps_bound(tp_tiny):
+    """What btp's blocks send forward is T (4 r_attn + 3 r_mlp) e per layer (e = 4: fp32 on CPU) plus
+    online LayerNorm's fp32 statistics in the q/k/v and gate/up groups' all-reduces, to the byte."""
+    _, r = tp_tiny
+    btp = r.data["variants"]["CoLA, btp"]
+    config = LlamaConfig.preset("tiny")
+    tokens, ra, rm = BATCH * SEQ, config.rank_attn, config.rank_mlp
+    per_layer = tokens * (4 * ra + 3 * rm) * 4 + layernorm_statistic_bytes(tokens, (3 * ra, 2 * rm), 2)
+    assert btp["block_bytes"]["forward"] == btp["layers"] * per_layer
+    layer = scale_model.layer_collectives("btp", scale_model.Shape("tiny", config.dim, config.ffn_dim, config.n_layers,
+                                                                  config.n_heads, norm="layernorm"), tokens, 4, p=2)
+    if ra == rm == config.dim // 4:  # the scale model's CoLA shape: rank d/4 everywhere
+        assert layer.fwd_bytes == per_layer
+
+
 def test_tp_scaling_against_one_process(tp_tiny):
     _out, r = tp_tiny
     v, single, s = r.data["variants"], r.data["single"], r.data["scaling"]

@@ -60,14 +60,22 @@ SCENARIOS = [
 #: low-rank and sharded with btp, or dense with megatron; SGD with momentum, 3 steps.
 STYLE_MODELS = {
     "btp": ["nanogpt-fused-lowrank", "nanogpt-split-lowrank", "meta-llama-lowrank", "raw-cola", "raw-cola-transposed",
-            "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank", "hf-phi3-lowrank"],
+            "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank", "hf-phi3-lowrank",
+            # LayerNorm (online LayerNorm) and weightless norms
+            "nanogpt-layernorm-lowrank", "nanogpt-layernorm-bias-lowrank", "nanogpt-layernorm-mean100-lowrank",
+            "hf-gpt2-lowrank", "hf-opt-lowrank", "modded-lowrank", "modded-layernorm-lowrank"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
-                 "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense"],
+                 "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense",
+                 "nanogpt-layernorm-bias-dense", "hf-opt-dense", "modded-dense"],
 }
 STYLE_SCENARIOS = [
     {"name": f"{model}-{plan}", "model": f"style:{model}", "plan": plan, "optim": "sgd"}
     for plan, models in STYLE_MODELS.items() for model in models
 ] + [
+    {"name": "nanogpt-layernorm-bias-lowrank-btp-separate", "model": "style:nanogpt-layernorm-bias-lowrank", "plan": "btp",
+     "optim": "sgd", "options": {"tp": {"norm_statistic": "separate"}}},
+    {"name": "nanogpt-layernorm-bias-lowrank-btp-ckpt", "model": "style:nanogpt-layernorm-bias-lowrank", "plan": "btp",
+     "optim": "sgd", "checkpoint": "lowrank"},
     {"name": "cola-tied-btp", "model": "tiny:4:tied", "plan": "btp", "optim": "sgd"},
     {"name": "dense-tied-megatron", "model": "tiny-dense:4:tied", "plan": "megatron", "optim": "sgd"},
 ]
@@ -119,6 +127,41 @@ def test_style_matches_single_process(results, name):
     assert check["checked"] > 50 and check["refused"] == 0
     (line,) = r["explain_check"]
     assert f"{check['checked']} nodes checked against the unsharded graph, {check['repaired']} repaired" in line
+
+
+def test_online_layernorm(results):
+    """Every block LayerNorm of a low-rank nanoGPT rides in its down factor's all-reduce: one
+    forward all-reduce per down factor, as with RMSNorm, each carrying the fp32 statistics
+    (the sum of squares about the rank's mean and every rank's mean) and the [p + 1, r] rows of
+    g_l @ A_l and b @ A; explain lists the sites. The final LayerNorm is gathered, then whole."""
+    for name in ("nanogpt-layernorm-bias-lowrank-btp", "nanogpt-layernorm-lowrank-btp"):
+        r = ok(results, name)
+        online = [line for line in r["tp_collectives"] if line.startswith("layernorm ")]
+        assert online == [f"layernorm transformer.h.{i}.ln_{j} (online, in the GEMM's all-reduce)"
+                          for i in range(2) for j in (1, 2)], r["tp_collectives"]
+        assert len(r["explain_norms"]) >= 4, r["explain_norms"]
+        reduces = [c for c in r["collectives"]["forward"] if c["kind"] == "all_reduce" and c["dtype"] == "torch.float32"]
+        tokens, p = 2 * 16, 2
+        # per block: c_attn's down and c_fc's down read a LayerNorm: [tokens + p (+ 1), r + 1 + p]
+        ln_rows = tokens + p + (1 if "bias" in name else 0)
+        packed = [c["shape"] for c in reduces if c["shape"][0] == ln_rows]
+        assert len(packed) == 2 * 2 and all(width > 1 + p for _rows, width in packed), [c["shape"] for c in reduces]
+
+
+def test_weightless_norms_find_their_place(results):
+    """modded-nanogpt's weightless norms: the four block norms online in the down factors'
+    all-reduce, the embedding's norm on the sharded stream with its own [T] statistic, the q/k
+    norms over the head dim each rank's own, the final norm after the gather before the head."""
+    r = ok(results, "modded-lowrank-btp")
+    norms = [line for line in r["tp_collectives"] if line.startswith("rmsnorm ")]
+    assert sum(line.endswith("(online, in the GEMM's all-reduce)") for line in norms) == 2 * 2, norms
+    assert sum(line.endswith("(own statistic all-reduce)") for line in norms) == 1, norms
+    gathers = [c for c in r["collectives"]["forward"] if c["kind"] == "all_gather_into_tensor"]
+    assert len(gathers) == 1, gathers  # the stream, once, before the final norm
+    # the same with OLMo's non-parametric LayerNorm everywhere
+    norms = [line for line in ok(results, "modded-layernorm-lowrank-btp")["tp_collectives"] if line.startswith("layernorm ")]
+    assert sum(line.endswith("(online, in the GEMM's all-reduce)") for line in norms) == 2 * 2, norms
+    assert sum(line.endswith("(own statistic all-reduce)") for line in norms) == 1, norms
 
 
 #: Shape arguments re-derived per graph: the model's own view/reshape/expand/split
@@ -351,7 +394,7 @@ def test_bad_inputs(results):
     assert "plan megatron is for dense blocks" in r["megatron_on_lowrank"]
     assert "plan btp needs every block linear to be a bottleneck" in r["btp_on_dense"]
     # refused before any step, naming the op and the model's source line
-    for case, op, source in [("layernorm", "layer_norm", "style_models.py"),
+    for case, op, source in [("hand_layernorm", "mean over dim 2, which is sharded", "style_models.py"),
                              ("stream_mean", "mean over dim 2, which is sharded", "tp_worker.py"),
                              ("stream_view", "merged under dim 2", "tp_worker.py"),
                              ("stream_gram", "contracts over a sharded dim", "tp_worker.py"),

@@ -79,9 +79,26 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class HandLayerNorm(nn.Module):
+    """LayerNorm spelled out by hand, as tutorials write it (btp cannot give it the whole statistics)"""
+
+    def __init__(self, ndim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = (x - mean).pow(2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
 def make_norm(config):
     if config.norm == "layer":
         return LayerNorm(config.n_embd, bias=config.bias)
+    if config.norm == "hand-layer":
+        return HandLayerNorm(config.n_embd)
     return RMSNorm(config.n_embd)
 
 
@@ -187,7 +204,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
     fused_qkv: bool = True # False: three linears q_attn/k_attn/v_attn instead of c_attn
-    norm: str = "rms" # "rms" or "layer"
+    norm: str = "rms" # "rms", "layer" or "hand-layer"
 
 
 class GPT(nn.Module):
@@ -268,17 +285,23 @@ def nanogpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def nanogpt(
-    fused_qkv: bool = True, low_rank: bool = False, norm: str = "rms", bias: bool = False, seed: int = 0
+    fused_qkv: bool = True, low_rank: bool = False, norm: str = "rms", bias: bool = False, seed: int = 0,
+    stream_mean: float = 0.0,
 ) -> tuple[nn.Module, LossFn]:
     """nanoGPT: learned positions, tied head, c_attn (fused) or q/k/v_attn (split), GELU MLP.
 
     ``low_rank``: ``factorize_`` turns the block linears (c_attn or q/k/v_attn,
     attn.c_proj, c_fc, mlp.c_proj) into bottlenecks; wte/wpe and the tied head stay dense.
+    ``stream_mean``: added to the position embeddings, so the residual stream's mean is that
+    many times its spread (0.02): a norm's variance must survive a large mean.
     """
-    if norm not in ("rms", "layer"):
-        raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+    if norm not in ("rms", "layer", "hand-layer"):
+        raise ValueError(f"norm must be 'rms', 'layer' or 'hand-layer', got {norm!r}")
     torch.manual_seed(seed)
     model = GPT(GPTConfig(fused_qkv=fused_qkv, norm=norm, bias=bias))
+    if stream_mean:
+        with torch.no_grad():
+            model.transformer.wpe.weight.add_(stream_mean * 0.02)
     if low_rank:
         _factorize(model)
     assert model.transformer.wte.weight is model.lm_head.weight
@@ -838,12 +861,164 @@ def hf_phi3(low_rank: bool = False, seed: int = 0) -> tuple[nn.Module, LossFn]:
     return model, hf_gpt2_loss
 
 
+def hf_gpt2_lowrank(seed: int = 0) -> tuple[nn.Module, LossFn]:
+    """GPT-2 with its Conv1D projections factorized (``factorize_`` reads Conv1D as the linear it is)."""
+    model, loss = hf_gpt2(seed)
+    _factorize(model)
+    assert model.lm_head.weight is model.transformer.wte.weight, "factorize_ untied the head"
+    return model, loss
+
+
+def hf_opt(low_rank: bool = False, seed: int = 0) -> tuple[nn.Module, LossFn]:
+    """OPTForCausalLM: pre-LayerNorm blocks with biases everywhere, ReLU MLP, learned positions
+    (offset by 2, read from the attention mask's cumsum), tied head."""
+    transformers = _transformers()
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=N_LAYERS, ffn_dim=128, num_attention_heads=N_HEADS,
+        max_position_embeddings=MAX_SEQ * 2, word_embed_proj_dim=DIM, do_layer_norm_before=True, dropout=0.0,
+        attention_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=0, attn_implementation=HF_ATTN,
+    )
+    torch.manual_seed(seed)
+    model = transformers.OPTForCausalLM(config)
+    if low_rank:
+        _factorize(model)
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight, "the head is not tied"
+    return model, hf_gpt2_loss
+
+
+# =============================================================================
+# 7. modded-nanogpt (weightless F.rms_norm everywhere, in its own style)
+# =============================================================================
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def nonparametric_layer_norm(x: torch.Tensor) -> torch.Tensor:
+    """OLMo's LayerNorm: no weight, no bias."""
+    return F.layer_norm(x, (x.size(-1),))
+
+
+class Rotary(nn.Module):
+    def __init__(self, dim: int, max_seq_len: int):
+        super().__init__()
+        angular_freq = (1 / 1024) ** torch.linspace(0, 1, steps=dim // 4, dtype=torch.float32)
+        angular_freq = torch.cat([angular_freq, angular_freq.new_zeros(dim // 4)])
+        t = torch.arange(max_seq_len, dtype=torch.float32)
+        theta = torch.einsum("i,j -> ij", t, angular_freq)
+        self.cos = nn.Buffer(theta.cos(), persistent=False)
+        self.sin = nn.Buffer(theta.sin(), persistent=False)
+
+    def forward(self, x_BTHD: torch.Tensor):
+        cos, sin = self.cos[None, :x_BTHD.size(-3), None, :], self.sin[None, :x_BTHD.size(-3), None, :]
+        x1, x2 = x_BTHD.to(dtype=torch.float32).chunk(2, dim=-1)
+        y1 = x1 * cos + x2 * sin
+        y2 = x1 * (-sin) + x2 * cos
+        return torch.cat((y1, y2), 3).type_as(x_BTHD)
+
+
+class ModdedAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, max_seq_len: int, norm=norm):
+        super().__init__()
+        self.norm = norm
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
+        self.c_proj = nn.Linear(dim, dim, bias=False)
+        self.rotary = Rotary(self.head_dim, max_seq_len)
+
+    def forward(self, x: torch.Tensor):
+        B, T = x.size(0), x.size(1)
+        q = self.q(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k(x).view(B, T, self.num_heads, self.head_dim)
+        v = self.v(x).view(B, T, self.num_heads, self.head_dim)
+        q, k = self.norm(q), self.norm(k)  # QK norm over the head dim
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.num_heads * self.head_dim)
+        return self.c_proj(y)
+
+
+class ModdedMLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.c_fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.c_proj = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor):
+        x = self.c_fc(x)
+        x = F.relu(x).square()  # https://arxiv.org/abs/2109.08668v2
+        return self.c_proj(x)
+
+
+class ModdedBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, max_seq_len: int, norm=norm):
+        super().__init__()
+        self.norm = norm
+        self.attn = ModdedAttention(dim, num_heads, max_seq_len, norm)
+        self.mlp = ModdedMLP(dim)
+
+    def forward(self, x: torch.Tensor):
+        x = x + self.attn(self.norm(x))
+        x = x + self.mlp(self.norm(x))
+        return x
+
+
+class ModdedGPT(nn.Module):
+    def __init__(self, vocab_size: int, num_layers: int, num_heads: int, model_dim: int, max_seq_len: int, norm=norm):
+        super().__init__()
+        self.norm = norm
+        self.embed = nn.Embedding(vocab_size, model_dim)
+        self.blocks = nn.ModuleList([ModdedBlock(model_dim, num_heads, max_seq_len, norm) for _ in range(num_layers)])
+        self.lm_head = nn.Linear(model_dim, vocab_size, bias=False)
+
+    def forward(self, input_seq: torch.Tensor, target_seq: torch.Tensor | None = None):
+        x = self.norm(self.embed(input_seq))
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        logits = self.lm_head(x).float()
+        logits = 30 * torch.sigmoid(logits / (7.5 * x.size(-1) ** 0.5))
+        if target_seq is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), target_seq.reshape(-1))
+
+
+def modded_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of the same length as the input (the last wraps around), as
+    modded-nanogpt's loader gives (input_seq, target_seq) pairs of one length."""
+    return model(tokens, torch.roll(tokens, -1, dims=1))
+
+
+def modded_nanogpt(low_rank: bool = False, seed: int = 0, layer_norm: bool = False) -> tuple[nn.Module, LossFn]:
+    """modded-nanogpt's shape: weightless ``F.rms_norm`` on the embedding, before each branch,
+    on q and k (over the head dim) and before the head; ReLU^2 MLP; untied head; sigmoid-capped logits.
+    ``layer_norm``: every norm is OLMo's non-parametric LayerNorm instead."""
+    torch.manual_seed(seed)
+    model = ModdedGPT(VOCAB, N_LAYERS, N_HEADS, DIM, MAX_SEQ, nonparametric_layer_norm if layer_norm else norm)
+    if low_rank:
+        _factorize(model)
+    return model, modded_loss
+
+
 # =============================================================================
 # the registry
 # =============================================================================
 
 STYLES: dict[str, Builder] = {
     "hf-gpt2-dense": hf_gpt2,
+    "hf-gpt2-lowrank": hf_gpt2_lowrank,
+    "hf-opt-dense": functools.partial(hf_opt, low_rank=False),
+    "hf-opt-lowrank": functools.partial(hf_opt, low_rank=True),
+    "modded-dense": functools.partial(modded_nanogpt, low_rank=False),
+    "modded-lowrank": functools.partial(modded_nanogpt, low_rank=True),
+    "modded-layernorm-lowrank": functools.partial(modded_nanogpt, low_rank=True, layer_norm=True),
+    "nanogpt-layernorm-dense": functools.partial(nanogpt, fused_qkv=True, low_rank=False, norm="layer"),
+    "nanogpt-layernorm-bias-dense": functools.partial(nanogpt, fused_qkv=True, low_rank=False, norm="layer", bias=True),
+    "nanogpt-layernorm-mean100-lowrank": functools.partial(nanogpt, fused_qkv=True, low_rank=True, norm="layer",
+                                                           bias=True, stream_mean=100.0),
     "hf-phi3-dense": functools.partial(hf_phi3, low_rank=False),
     "hf-phi3-lowrank": functools.partial(hf_phi3, low_rank=True),
     "nanogpt-fused-lowrank": functools.partial(nanogpt, fused_qkv=True, low_rank=True),
@@ -873,6 +1048,14 @@ BOTTLENECKS_PER_BLOCK: dict[str, int] = {
     "nanogpt-split-lowrank": 6,
     "nanogpt-layernorm-lowrank": 4,
     "nanogpt-layernorm-bias-lowrank": 4,
+    "nanogpt-layernorm-mean100-lowrank": 4,
+    # c_attn, attn.c_proj, c_fc, mlp.c_proj
+    "hf-gpt2-lowrank": 4,
+    # q, k, v, out_proj, fc1, fc2
+    "hf-opt-lowrank": 6,
+    # q, k, v, c_proj, c_fc, mlp c_proj
+    "modded-lowrank": 6,
+    "modded-layernorm-lowrank": 6,
     "meta-llama-lowrank": 7,
     "raw-cola": 7,
     "raw-cola-transposed": 7,

@@ -208,3 +208,33 @@ def test_compile_time_factorize_strict_flags_skipped_layers():
     with warnings.catch_warnings(), torch.no_grad():
         with pytest.raises(Exception, match="strict: pass 'factorize' skipped 4 site"):
             torch.compile(model, backend="boost", options=options)(tokens)
+
+
+def test_gpt2_conv1d_is_factorized_as_the_linear_it_is():
+    """GPT-2's Conv1D (y = x @ W + b, W as [d_in, d_out]) becomes a bottleneck: every block
+    projection, found from the graph (addmm); with W of exact rank 4 the logits do not move."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    config = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Conv1D):
+                d_in, d_out = module.weight.shape
+                module.weight.copy_(torch.randn(d_in, 4) @ torch.randn(4, d_out) * 0.02)
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ref = model(tokens).logits
+    report = bc.factorize_(model, FactorizeConfig(rank=4, init="svd"))
+    assert sorted(x.fqn for x in report.layers) == sorted(
+        f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
+    layer = model.transformer.h[0].attn.c_attn
+    assert isinstance(layer, LowRankLinear) and (layer.in_features, layer.out_features) == (64, 192)
+    assert layer.up.bias is not None  # Conv1D's bias kept on the up factor
+    with torch.no_grad():
+        out = model(tokens).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-4)

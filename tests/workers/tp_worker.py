@@ -149,6 +149,8 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     explained = str(Explanation(config, rec.graphs)).splitlines()
     out["explain_check"] = [line for line in explained if "sharding-consistency check" in line]
     out["explain_outside"] = [line.strip() for line in explained if "outside the blocks" in line]
+    out["explain_norms"] = [line.strip() for line in explained if "norm " in line and ("(online" in line or "(own statistic" in line)]
+    out["tp_collectives"] = [line for g in rec.graphs for r in g.reports if r.name == "tp_collectives" for line in r.rewritten]
     if report.check is not None:  # btp/megatron: the sharding-consistency check, at parallelize_ and at compile
         localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
         out["check"] = {"parallelize": report.check.details, "compile": [r.details for r in localize],
@@ -182,6 +184,7 @@ def hooked_llama(hook: str) -> torch.nn.Module:
 
 def bad_inputs() -> dict[str, str]:
     """Each bad case's error message (or 'no error')."""
+    import style_models
     from style_models import meta_llama
 
     tokens = torch.zeros(2, 16, dtype=torch.long)
@@ -192,7 +195,8 @@ def bad_inputs() -> dict[str, str]:
                                                        dist.group.WORLD, "megatron"),
         "btp_on_dense": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny-dense")), (torch.zeros(1, 8, dtype=torch.long),),
                                                 dist.group.WORLD, "btp"),
-        "layernorm": lambda: bc.parallelize_(build("style:nanogpt-layernorm-lowrank")[0], (tokens,), dist.group.WORLD, "btp"),
+        "hand_layernorm": lambda: bc.parallelize_(style_models.nanogpt(low_rank=True, norm="hand-layer")[0], (tokens,),
+                                                  dist.group.WORLD, "btp"),
         **{hook: functools.partial(lambda h: bc.parallelize_(hooked_llama(h), (tokens,), dist.group.WORLD, "btp"), hook)
            for hook in STREAM_HOOKS},
         "kv_heads": lambda: bc.parallelize_(meta_llama(n_kv_heads=1, low_rank=True)[0], (tokens,), dist.group.WORLD, "btp"),
