@@ -66,7 +66,7 @@ STYLE_MODELS = {
             "hf-gpt2-lowrank", "hf-opt-lowrank", "modded-lowrank", "modded-layernorm-lowrank"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
                  "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense",
-                 "nanogpt-layernorm-bias-dense", "hf-opt-dense", "modded-dense"],
+                 "nanogpt-layernorm-dense", "nanogpt-layernorm-bias-dense", "hf-opt-dense", "modded-dense"],
 }
 STYLE_SCENARIOS = [
     {"name": f"{model}-{plan}", "model": f"style:{model}", "plan": plan, "optim": "sgd"}
