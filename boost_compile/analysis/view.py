@@ -339,7 +339,7 @@ class GraphView:
         """Every LayerNorm over the last dim (see ``norm_match.find_layernorms``)."""
         return find_layernorms(self.graph, self.param_names)
 
-    @property
+    @cached_property
     def norms(self) -> list[RMSNormSite | LayerNormSite]:
         """RMSNorm and LayerNorm sites, in graph order."""
         order = {n: i for i, n in enumerate(self.graph.nodes)}
