@@ -32,6 +32,7 @@ One job per module:
 - :mod:`~boost_compile.train.step`: what both step functions share: gradient clipping, the optimizer tail
 - :mod:`~boost_compile.train.loop`: the trainer: the step, evaluation, logging, checkpoints
 - :mod:`~boost_compile.train.checkpoint`: DCP checkpoints, resuming, signals
+- :mod:`~boost_compile.train.checkpoint_shards`: tensor-parallel shards in a layout-free checkpoint
 - :mod:`~boost_compile.train.metrics`: progress, peak memory, ``metrics.jsonl``, plots
 """
 

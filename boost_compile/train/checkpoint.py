@@ -17,7 +17,7 @@ import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from boost_compile.config import ConfigError
+from boost_compile.train.checkpoint_shards import to_local, to_saved
 from boost_compile.train.config import CheckpointConfig, TrainConfig
 from boost_compile.train.data import PackedTokens
 from boost_compile.train.optim import local_optimizer
-from boost_compile.train.parallel import Dist, is_dtensor
+from boost_compile.train.parallel import Dist
 
 log = logging.getLogger("boost_compile.train")
 
@@ -93,7 +94,7 @@ class Checkpointer:
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
         model_sd, optim_sd = get_state_dict(self.model, local_optimizer(self.optimizer), options=options)
         if self.dev.tp > 1:
-            model_sd, optim_sd = self._to_dtensors(model_sd, optim_sd)
+            model_sd, optim_sd = to_saved(self.model, self.dev.mesh["tp"], model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
         if self.dev.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.dev.device)
@@ -107,39 +108,6 @@ class Checkpointer:
             },
             "rng": {f"rank{self.dev.rank}": rng},
         }
-
-    def _to_dtensors(self, model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
-        """Plain TP shards (``parallelize_``'s btp/megatron) as DTensors, so DCP saves each shard.
-
-        New dicts: the optimizer's state dict shares its per-parameter dicts with
-        the live optimizer, which must keep its plain tensors.
-        """
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = self.dev.mesh["tp"]
-        specs = {name: getattr(p, "_boost_tp", None) for name, p in self.model.named_parameters()}
-
-        def wrap(name: str, t: Any) -> Any:
-            spec = specs.get(name)
-            if spec is None or spec.dim is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
-                return t
-            if spec.sections:
-                # a fused weight cut part by part ([q_r | k_r | v_r]) is no DTensor Shard: saved as
-                # one, its whole tensor would come back with the parts in the wrong order
-                raise NotImplementedError(
-                    f"{name}: checkpointing a fused weight sharded part by part (parts {list(spec.sections)}) "
-                    "is not supported; use separate q/k/v projections, or parallel.tp=1"
-                )
-            if spec.size is not None:
-                # a padded vocabulary shard: DCP's Shard layout has no room for the padding
-                raise NotImplementedError(
-                    f"{name}: checkpointing a head padded to a multiple of the TP degree (vocabulary {spec.size}) "
-                    "is not supported; use a vocabulary the TP degree divides (boost-train rounds it up to 64)"
-                )
-            return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False)
-
-        model_sd = {name: wrap(name, t) for name, t in model_sd.items()}
-        return model_sd, _map_optim_state(optim_sd, wrap)
 
     # save / load -------------------------------------------------------------------
 
@@ -179,13 +147,7 @@ class Checkpointer:
             del state["rng"]
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=str(path), no_dist=self.dev.world == 1)
-        params = dict(self.model.named_parameters())
-
-        def unwrap(name: str, t: Any) -> Any:  # back to the plain shards parallelize_ keeps
-            return t.to_local() if is_dtensor(t) and not is_dtensor(params.get(name)) else t
-
-        model_sd = {name: unwrap(name, t) for name, t in state["model"].items()}
-        optim_sd = _map_optim_state(state["optim"], unwrap)
+        model_sd, optim_sd = to_local(self.model, state["model"], state["optim"])
         set_state_dict(self.model, local_optimizer(self.optimizer), model_state_dict=model_sd, optim_state_dict=optim_sd)
         meta = state["meta"]
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -201,24 +163,6 @@ class Checkpointer:
             if "cuda" in rng and self.dev.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["cuda"], self.dev.device)
         return int(meta["step"])
-
-
-def _map_optim_state(optim_sd: dict[str, Any], fn: Callable[[str, Any], Any]) -> dict[str, Any]:
-    """A new optimizer state dict with ``fn(parameter name, value)`` applied to each state value.
-
-    Takes both layouts of ``get_state_dict``: nested (``{"state": {name: {"exp_avg": ...}}}``)
-    and flattened (``{"state.<name>.exp_avg": ...}``, pipeline runs).
-    """
-    if "state" in optim_sd:
-        states = {name: {k: fn(name, t) for k, t in st.items()} for name, st in optim_sd["state"].items()}
-        return {**optim_sd, "state": states}
-    out = {}
-    for key, value in optim_sd.items():
-        if key.startswith("state."):
-            name = key[len("state.") :].rsplit(".", 1)[0]
-            value = fn(name, value)
-        out[key] = value
-    return out
 
 
 def _pickled(obj: Any) -> torch.Tensor:
