@@ -336,17 +336,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, overrides: list[str], out: Path) -> dict:
-    """boost-train under torchrun on 127.0.0.1 (gloo, one thread per rank); its summary.json."""
+def torchrun(nproc: int, overrides: list[str], out: Path, *, restarts: int = 0, env: Mapping[str, str] | None = None,
+             output: list[str] | None = None) -> dict:
+    """boost-train under torchrun on 127.0.0.1 (gloo, one thread per rank); its summary.json.
+
+    ``restarts``: torchrun's ``--max-restarts``; ``env``: more environment variables;
+    ``output``: a list that gets what the command printed (stdout, then stderr).
+    """
     import json
 
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **(env or {})}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", str(restarts),
+        "--monitor-interval", "0.5",
         "-m", "boost_compile.train", *overrides, f"hydra.run.dir={out}",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    if output is not None:
+        output[:] = [proc.stdout, proc.stderr]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "summary.json").read_text())
 
@@ -369,10 +377,9 @@ def train_references(overrides: Sequence[str], folder: Path) -> tuple[dict, dict
 
 def grad_norms(summary: dict) -> list[float]:
     """The gradient norm (before clipping) of each step of a boost-train run, from metrics.jsonl."""
-    import json
+    from boost_compile.train.metrics import read_metrics
 
-    rows = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    return [r["grad_norm"] for r in map(json.loads, rows) if "grad_norm" in r]
+    return [r["grad_norm"] for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "grad_norm" in r]
 
 
 def assert_train_parity(tested: dict, references: tuple[dict, dict], what: str = "", first: int = 0) -> float:

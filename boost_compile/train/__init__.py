@@ -50,7 +50,7 @@ from boost_compile.train.checkpoint import (
     checkpoint_dir,
     checkpoint_step,
     find_checkpoint,
-    resume_source,
+    resume_candidates,
 )
 from boost_compile.train.data import load_tokens, make_loaders
 from boost_compile.train.loop import Trainer, evaluate, make_train_step
@@ -114,7 +114,7 @@ __all__ = [
     "make_train_step",
     "parallelize",
     "plot_losses",
-    "resume_source",
+    "resume_candidates",
     "run",
     "setup_distributed",
     "summary_rows",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from boost_compile.config import ConfigError
-from boost_compile.train.checkpoint import resume_source
+from boost_compile.train.checkpoint import resume_candidates
 from boost_compile.train.config import config_dir, register_configs
 from boost_compile.train.loop import Trainer
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary
@@ -52,8 +52,9 @@ def run(cfg: Any, run_dir: str | Path, *, overrides: Sequence[str] = ()) -> dict
     """
     tc, shape = validate(cfg)
     run_dir = Path(run_dir).resolve()
-    resume_from = resume_source(tc, run_dir)
+    candidates = resume_candidates(tc, run_dir)  # a bad explicit checkpoint stops here, before any process group
     dev = setup_distributed(tc)
+    candidates = dev.broadcast(candidates)  # rank 0's choice on every rank
     own_dir = run_dir
     run_dir = Path(dev.broadcast(str(run_dir)))  # all ranks write where rank 0 does
     if own_dir != run_dir and own_dir.is_dir() and not any(own_dir.iterdir()):
@@ -64,7 +65,7 @@ def run(cfg: Any, run_dir: str | Path, *, overrides: Sequence[str] = ()) -> dict
     if tc.trainer.threads is not None:
         torch.set_num_threads(tc.trainer.threads)
     try:
-        return Trainer(tc, shape, dev, run_dir, list(overrides), resume_from).fit()
+        return Trainer(tc, shape, dev, run_dir, list(overrides), candidates).fit()
     finally:
         torch.set_num_threads(threads)  # a multirun's next job (or the caller) gets its own
 
@@ -142,6 +143,7 @@ def _task(cfg: Any) -> dict[str, Any]:
 
     hydra_cfg = HydraConfig.get()
     try:
+        _check_rerun_finds_the_run(cfg, HydraConfig.instance().cfg.hydra)
         result = run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
     except ConfigError as exc:
         print(f"boost-train: error: {exc}", file=sys.stderr, flush=True)
@@ -149,6 +151,24 @@ def _task(cfg: Any) -> dict[str, Any]:
     if result["status"] == "stopped":
         raise SystemExit(128 + int(signal.Signals[result["signal"]]))
     return result
+
+
+def _check_rerun_finds_the_run(cfg: Any, hydra_node: Any) -> None:
+    """``trainer.resume=auto`` resumes from the run folder of the same command run again: a folder
+    named after the start time (Hydra's default ``runs/<date>/<time>``) is a new one each time."""
+    from omegaconf import OmegaConf
+
+    if cfg.trainer.resume != "auto" or cfg.checkpoint.dir or cfg.checkpoint.resume_from:
+        return
+    multirun = str(hydra_node.mode) == "RunMode.MULTIRUN"
+    key = "sweep" if multirun else "run"
+    raw = str(OmegaConf.to_container(hydra_node[key], resolve=False)["dir"])
+    if "${now:" in raw:
+        raise ConfigError(
+            f"trainer.resume=auto resumes from the run folder, but hydra.{key}.dir={raw} is named after the start "
+            f"time and a restarted command would get a new one; set hydra.{key}.dir=runs/<name> "
+            "(or checkpoint.dir=<folder>)"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

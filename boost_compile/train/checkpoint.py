@@ -1,28 +1,37 @@
 """Checkpoints (DCP), resuming, and stopping cleanly on a signal.
 
 A checkpoint is a folder ``step_000123`` holding one DCP save of the model,
-optimizer, schedule, data position and every rank's RNG state; it is complete
-once DCP has written its ``.metadata``. :func:`resume_source` finds the one
-``trainer.resume=true`` loads; :class:`StopOnSignal` turns SIGTERM/SIGINT into a
-stop after the current step (and a checkpoint, with ``checkpoint.on_signal``).
+optimizer, schedule, data position and every rank's RNG state. It is complete
+once rank 0 has written its :data:`COMPLETE_FILE` (the size of every file), which
+it does last, after every rank's shard files and DCP's ``.metadata`` are on
+disk: a save cut short (a SIGKILL, a lost node) leaves no record and is never
+resumed from. :func:`resume_candidates` finds what ``trainer.resume`` loads
+(``true``: the newest complete checkpoint, or an error; ``auto``: the complete
+ones newest first, a damaged one skipped, none: a fresh start);
+:class:`StopOnSignal` turns SIGTERM/SIGINT into a stop after the current step
+(and a checkpoint, with ``checkpoint.on_signal``). With ``checkpoint.async_save``
+the files are written by a background thread while training goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import pickle
 import random
 import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 from boost_compile.config import ConfigError
 from boost_compile.train.checkpoint_shards import to_local, to_saved
@@ -33,15 +42,20 @@ from boost_compile.train.parallel import Dist
 
 log = logging.getLogger("boost_compile.train")
 
+#: written by rank 0 into a checkpoint folder once the whole save is on disk
+COMPLETE_FILE = "complete.json"
+# DCP's note that a save without a process group is a one-process save: so it is (no_dist=True)
+_NO_DIST_WARNING = ".*torch.distributed is disabled.*"
+
 
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: Path) -> Path:
     """Where a run saves its checkpoints: ``checkpoint.dir``, else ``<run folder>/checkpoints``."""
     return Path(cfg.dir).expanduser() if cfg.dir else run_dir / "checkpoints"
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The step of a complete checkpoint folder ``step_000123`` (None if not one)."""
-    if not path.name.startswith("step_") or not (path / ".metadata").is_file():
+def folder_step(path: Path) -> int | None:
+    """The step in the name of a checkpoint folder ``step_000123`` (None if not one)."""
+    if not path.name.startswith("step_") or not path.is_dir():
         return None
     try:
         return int(path.name[len("step_") :])
@@ -49,18 +63,77 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The step of a complete checkpoint folder ``step_000123`` (None if not one)."""
+    step = folder_step(path)
+    return step if step is not None and (path / COMPLETE_FILE).is_file() else None
+
+
+def checkpoint_problem(path: Path, read_metadata: bool = True) -> str | None:
+    """Why ``path`` is not a checkpoint to resume from, in a few words; None when it is one.
+
+    Complete (its record), every file of the record there with its recorded
+    size (a truncated or missing shard), and with ``read_metadata`` DCP's
+    ``.metadata`` readable (damaged bytes of the same size).
+    """
+    if not path.is_dir():
+        return "not a folder"
+    record_path = path / COMPLETE_FILE
+    if not record_path.is_file():
+        if not (path / ".metadata").is_file():
+            return "incomplete: the save was interrupted before DCP wrote .metadata"
+        return f"incomplete: no {COMPLETE_FILE} (the save was interrupted, or it was not written by boost-train)"
+    try:
+        record = json.loads(record_path.read_text())
+        files = dict(record["files"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"its {COMPLETE_FILE} cannot be read ({type(exc).__name__})"
+    for name, size in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} holds {file.stat().st_size} bytes, {size} were saved (truncated or overwritten)"
+    if read_metadata:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 - any unpickling error means damaged metadata
+            return f"its .metadata cannot be read ({type(exc).__name__}: {exc})"
+    return None
+
+
+def step_folders(path: Path) -> list[tuple[int, Path]]:
+    """Every ``step_*`` folder in ``path`` (complete or not), newest first."""
+    if not path.is_dir():
+        return []
+    return sorted(((s, p) for p in path.iterdir() if (s := folder_step(p)) is not None), reverse=True)
+
+
 def find_checkpoint(path: Path) -> Path | None:
     """``path`` if it is a complete checkpoint, else the newest complete one inside it."""
-    if (path / ".metadata").is_file():
+    if (path / COMPLETE_FILE).is_file():
         return path
-    if not path.is_dir():
-        return None
-    found = [(s, p) for p in path.iterdir() if (s := checkpoint_step(p)) is not None]
-    return max(found)[1] if found else None
+    found = [p for s, p in step_folders(path) if checkpoint_step(p) is not None]
+    return found[0] if found else None
+
+
+def write_record(path: Path, step: int) -> None:
+    """Mark ``path`` complete: the size of every file in it, written to a temporary name and
+    renamed (a reader sees the whole record or none)."""
+    files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != COMPLETE_FILE}
+    tmp = path / f".{COMPLETE_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+    os.replace(tmp, path / COMPLETE_FILE)
 
 
 class Checkpointer:
-    """Model, optimizer, schedule, data position and RNG in one DCP checkpoint per step."""
+    """Model, optimizer, schedule, data position and RNG in one DCP checkpoint per step.
+
+    ``before_metadata(step)``: called on rank 0 between the shard files and
+    ``.metadata`` of a save (:mod:`~boost_compile.train.faults` kills a save there).
+    """
 
     def __init__(
         self,
@@ -71,6 +144,7 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         data: PackedTokens,
+        before_metadata: Callable[[int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.dir = directory
@@ -79,7 +153,15 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.data = data
+        self.before_metadata = before_metadata
         self.last_saved: int | None = None
+        self.pending: tuple[int, Path, Any] | None = None  # an asynchronous save: step, folder, future
+        self._group: Any = None  # the process group of asynchronous saves (not the training one)
+        if cfg.async_save and dev.world > 1:
+            import torch.distributed as dist
+
+            # a background save's collectives must not interleave with the training step's
+            self._group = dist.new_group(backend="gloo")
 
     # state -------------------------------------------------------------------------
 
@@ -109,23 +191,74 @@ class Checkpointer:
             "rng": {f"rank{self.dev.rank}": rng},
         }
 
-    # save / load -------------------------------------------------------------------
+    # save ------------------------------------------------------------------------
 
     def save(self, step: int) -> Path:
+        """Save step ``step`` (every rank). Synchronous: complete on return. With
+        ``checkpoint.async_save`` the state is copied and written in the background; the
+        previous asynchronous save is finished first."""
         import torch.distributed.checkpoint as dcp
 
+        self.wait()
         path = self.dir / f"step_{step:06d}"
+        self._clear(path)
+        writer = _Writer(str(path), lambda: self.before_metadata(step)) if self.before_metadata else None
+        target = {"checkpoint_id": str(path), "storage_writer": writer}
         with _quiet_dcp():
-            dcp.save(self._state(step), checkpoint_id=str(path), no_dist=self.dev.world == 1)
-        self.last_saved = step
-        if self.dev.is_main:
-            self._prune()
+            if self.cfg.async_save:
+                if self.dev.world == 1:  # the background thread repeats the warning _quiet_dcp hides here
+                    warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+                future = dcp.async_save(self._state(step), **target, process_group=self._group,
+                                        no_dist=self.dev.world == 1)
+                self.pending = (step, path, future)
+                return path
+            dcp.save(self._state(step), **target, no_dist=self.dev.world == 1)
+        self._complete(step, path)
         return path
 
+    def poll(self) -> None:
+        """Finish an asynchronous save whose files are written (no wait)."""
+        if self.pending is not None and self.pending[2].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and mark it complete."""
+        if self.pending is None:
+            return
+        step, path, future = self.pending
+        self.pending = None
+        future.result()  # raises what the background save raised
+        self._complete(step, path)
+
+    def _clear(self, path: Path) -> None:
+        """Remove what an interrupted save of the same step left (rank 0), before anyone writes."""
+        if self.dev.is_main and path.exists():
+            log.warning("removing %s, an incomplete save of the same step", path)
+            shutil.rmtree(path)
+        self.dev.barrier()
+
+    def _complete(self, step: int, path: Path) -> None:
+        # every rank's files are on disk: DCP's coordinator (rank 0) wrote .metadata after all of them
+        self.last_saved = step
+        if self.dev.is_main:
+            write_record(path, step)
+            self._prune()
+
     def _prune(self) -> None:
-        found = sorted((s, p) for p in self.dir.iterdir() if (s := checkpoint_step(p)) is not None)
-        for _, path in found[: -self.cfg.keep]:
+        """Keep the newest ``checkpoint.keep`` complete checkpoints; drop what interrupted saves
+        older than the newest complete one left."""
+        found = step_folders(self.dir)
+        complete = [(s, p) for s, p in found if checkpoint_step(p) is not None]
+        if not complete:
+            return
+        newest = complete[0][0]
+        for _, path in complete[self.cfg.keep :]:
             shutil.rmtree(path, ignore_errors=True)
+        for s, path in found:
+            if s < newest and checkpoint_step(path) is None:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # load ------------------------------------------------------------------------
 
     def load(self, path: Path) -> int:
         """Restore everything from ``path``; returns the step it was saved after."""
@@ -164,6 +297,52 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"], self.dev.device)
         return int(meta["step"])
 
+    def resume(self, candidates: list[Path], auto: bool) -> tuple[int, Path | None]:
+        """Load the first of ``candidates`` that loads on every rank: (its step, its folder);
+        (0, None) when there are none.
+
+        ``auto`` (``trainer.resume=auto``): one that fails is reported and the next
+        (older) one tried. Otherwise, or when none loads, a ConfigError names the folder.
+        """
+        for path in candidates:
+            error = None
+            try:
+                step = self.load(path)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - DCP raises many kinds; each is reported
+                error = f"{type(exc).__name__}: {_first_line(exc)}"
+            if not self.dev.any(error is not None):
+                return step, path
+            error = error or "it failed to load on another rank"
+            if not auto:
+                raise ConfigError(f"checkpoint {path} cannot be loaded: {error}")
+            log.warning("trainer.resume=auto: skipping checkpoint %s, which cannot be loaded (%s)", path, error)
+        if candidates:
+            raise ConfigError(
+                f"trainer.resume=auto: none of the checkpoints in {candidates[0].parent} can be loaded "
+                "(see the warnings above); move them away to start afresh"
+            )
+        return 0, None
+
+
+class _Writer(FileSystemWriter):
+    """DCP's FileSystemWriter with a call between the shard files and ``.metadata``
+    (its ``finish`` runs on the coordinator, rank 0, once every rank's files are written)."""
+
+    def __init__(self, path: str, before_metadata: Callable[[], None]) -> None:
+        super().__init__(path)
+        self._before_metadata = before_metadata
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self._before_metadata()
+        super().finish(metadata, results)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
 
 def _pickled(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -172,7 +351,7 @@ def _pickled(obj: Any) -> torch.Tensor:
 @contextlib.contextmanager
 def _quiet_dcp() -> Iterator[None]:
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         warnings.filterwarnings("ignore", message=".*TypedStorage is deprecated.*")
         yield
 
@@ -202,16 +381,43 @@ class StopOnSignal:
         log.warning("received %s: stopping after this step", signal.Signals(signum).name)
 
 
-def resume_source(tc: TrainConfig, run_dir: Path) -> Path | None:
-    """The checkpoint ``trainer.resume`` loads; ConfigError when there is none."""
-    if not tc.trainer.resume:
-        return None
+def resume_candidates(tc: TrainConfig, run_dir: Path) -> list[Path]:
+    """The checkpoints ``trainer.resume`` may load, the one to try first first; checked before any
+    process group exists.
+
+    ``false``: none. ``true``: the newest complete checkpoint of
+    ``checkpoint.resume_from`` (a ``step_*`` folder, or a folder of them; default
+    the run's checkpoint folder); a ConfigError names the folder when there is none
+    or it is damaged. ``auto``: every complete one, newest first, those that are
+    damaged reported and left out; none is a fresh start.
+    """
+    resume = tc.trainer.resume
+    if resume is False:
+        return []
     resume_from = tc.checkpoint.resume_from
     where = Path(resume_from).expanduser() if resume_from else checkpoint_dir(tc.checkpoint, run_dir)
-    found = find_checkpoint(where)
-    if found is None:
-        raise ConfigError(
-            f"trainer.resume=true but there is no complete checkpoint in {where}; point at the earlier run "
-            "with hydra.run.dir=<its folder> or checkpoint.resume_from=<its checkpoints folder>"
-        )
-    return found
+    if folder_step(where) is not None or (where / ".metadata").is_file() or (where / COMPLETE_FILE).is_file():
+        folders = [where]  # one checkpoint named
+    else:
+        folders = [p for _, p in step_folders(where)]
+    if resume != "auto":
+        found = [p for p in folders if checkpoint_step(p) is not None or p == where]
+        if not found:
+            raise ConfigError(
+                f"trainer.resume=true but there is no complete checkpoint in {where}; point at the earlier run "
+                "with hydra.run.dir=<its folder> or checkpoint.resume_from=<its checkpoints folder>"
+            )
+        problem = checkpoint_problem(found[0])
+        if problem is not None:
+            raise ConfigError(f"checkpoint {found[0]}: {problem}")
+        return found[:1]
+    usable = []
+    for path in folders:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            usable.append(path)
+        else:
+            log.warning("trainer.resume=auto: skipping %s: %s", path, problem)
+    if not usable:
+        log.info("trainer.resume=auto: no complete checkpoint in %s: starting at step 1", where)
+    return usable

@@ -139,6 +139,11 @@ class ParallelConfig:
     zero: int = 0
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""
+    timeout_s: float = 600.0
+    """How long a collective waits for its peers before the run fails (the process group's
+    timeout): a hung or lost rank then ends the run, naming the rank and what it waited for,
+    and a launcher with restarts (``torchrun --max-restarts``) starts it again. Long enough for
+    the slowest rank's first compile and a checkpoint save."""
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel")
@@ -186,6 +191,9 @@ class CheckpointConfig:
     resume_from: str | None = None
     """The checkpoint ``trainer.resume`` loads (a ``step_*`` folder, or a folder of them: the
     newest complete one); default ``dir``."""
+    async_save: bool = False
+    """Write checkpoints in a background thread (``torch.distributed.checkpoint.async_save``):
+    the step loop waits only for the state's copy in memory, not for the disk."""
 
 
 @dataclass
@@ -283,8 +291,11 @@ class TrainerConfig:
     """Evaluate every this many steps."""
     eval_batches: int | None = None
     """Val batches per evaluation (null = the whole val split)."""
-    resume: bool = False
-    """Continue from the newest checkpoint (see ``checkpoint.resume_from``)."""
+    resume: Annotated[bool | str, Literal[False, True, "auto"]] = False
+    """``true``: continue from the newest complete checkpoint (see ``checkpoint.resume_from``),
+    an error when there is none. ``auto``: continue from it when there is one, start at step 1
+    when there is none, skip one that is damaged: the setting for a command that a launcher or
+    scheduler reruns after a fault (``torchrun --max-restarts``, ``sbatch --requeue``)."""
     progress: Annotated[str, Literal["auto", "bar", "lines", "none"]] = "auto"
     """A tqdm bar when stderr is a terminal (``auto``), else periodic lines."""
     plot: bool = True

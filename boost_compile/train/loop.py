@@ -24,8 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
+from boost_compile.train.collective_errors import reported_collectives, step_collectives
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.data import PackedTokens, load_corpus, make_loaders
+from boost_compile.train.faults import faults_from_env
 from boost_compile.train.metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -33,12 +35,13 @@ from boost_compile.train.metrics import (
     MetricsWriter,
     PeakMemory,
     Progress,
+    count_restarts,
     plot_losses,
     write_summary,
 )
 from boost_compile.train.model import fit_vocab
 from boost_compile.train.optim import make_optimizer
-from boost_compile.train.parallel import Dist, ModelParts, build_model_parts, global_numel
+from boost_compile.train.parallel import Dist, ModelParts, attempt, build_model_parts, global_numel
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.validate import ModelShape, boost_options
 
@@ -99,11 +102,14 @@ class Trainer:
         dev: Dist,
         run_dir: Path,
         overrides: list[str],
-        resume_from: Path | None,
+        candidates: list[Path],
     ) -> None:
         self.tc, self.shape, self.dev, self.run_dir = tc, shape, dev, run_dir
         self.overrides = overrides
-        self.resume_from = resume_from
+        self.candidates = candidates  # the checkpoints trainer.resume may load, in order
+        self.resumed_from: Path | None = None
+        self.faults = faults_from_env(dev.rank)
+        self.restarts = 0  # earlier starts of this run in the same folder
         self.label = " ".join(overrides) if overrides else "defaults"
         self.title = self.label
         # set by _bind, once the model's parameters are final
@@ -159,10 +165,13 @@ class Trainer:
         zero_group = self.dev.group("dp") if tc.parallel.zero else None
         self.optimizer, self.scheduler = make_optimizer(model, tc.optim, tc.trainer.steps, zero_group)
         ckpt_dir = checkpoint_dir(tc.checkpoint, self.run_dir)
-        self.ckpt = Checkpointer(tc.checkpoint, ckpt_dir, self.dev, model, self.optimizer, self.scheduler, data)
-        if self.resume_from is not None:
-            self.start = self.ckpt.load(self.resume_from)
-            log.info("resumed from %s (step %d)", self.resume_from, self.start)
+        in_save = self.faults.in_save if self.faults.in_saves else None
+        self.ckpt = Checkpointer(
+            tc.checkpoint, ckpt_dir, self.dev, model, self.optimizer, self.scheduler, data, before_metadata=in_save
+        )
+        self.start, self.resumed_from = self.ckpt.resume(self.candidates, auto=tc.trainer.resume == "auto")
+        if self.resumed_from is not None:
+            log.info("resumed from %s (step %d)", self.resumed_from, self.start)
 
     def _describe(self, model: nn.Module, params: int | None = None) -> None:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer
@@ -189,9 +198,19 @@ class Trainer:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer
         assert self.ckpt is not None
         ckpt, start = self.ckpt, self.start
+        earlier_rows, self.restarts = dev.broadcast(count_restarts(self.run_dir / METRICS_FILE) if dev.is_main else None)
+        restart = earlier_rows > 0  # an earlier start of this run wrote here: the rows after `start` are redone
         metrics = MetricsWriter(
-            self.run_dir, enabled=dev.is_main, tensorboard=tc.metrics.tensorboard, purge_step=start + 1 if start else None
+            self.run_dir, enabled=dev.is_main, tensorboard=tc.metrics.tensorboard,
+            purge_step=start + 1 if start or restart else None,
         )
+        if restart:
+            self.restarts += 1
+            metrics.write({"event": "restart", "step": start, "restart": self.restarts, "attempt": attempt(),
+                           "checkpoint": str(self.resumed_from) if self.resumed_from else None})
+            log.info("restart %d of this run: from step %d (%s)", self.restarts, start,
+                     self.resumed_from or "no checkpoint: from the start")
+        timeout_s, collectives = tc.parallel.timeout_s, step_collectives(dev)
         progress = Progress(tr.progress, tr.steps, start, tr.log_every, tr.batch * tr.seq, dev.is_main)
         tokens_per_step = tr.batch * tr.seq
         history: list[tuple[int, float]] = []
@@ -205,7 +224,11 @@ class Trainer:
                 last = time.perf_counter()
                 for step in range(start + 1, tr.steps + 1):
                     inputs, targets = next(train_data)
-                    out = step_fn(inputs.to(dev.device), targets.to(dev.device))
+                    self.faults.before_step(step)
+                    with reported_collectives(dev, f"the training step ({collectives})", step, timeout_s):
+                        out = step_fn(inputs.to(dev.device), targets.to(dev.device))
+                    self.faults.after_step(step)
+                    ckpt.poll()
                     now = time.perf_counter()
                     step_s, last = now - last, now
                     first = step == start + 1
@@ -225,19 +248,22 @@ class Trainer:
                     progress.step(step, out.loss, out.lr, step_s, first)
                     if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:
                         val_loss = self._evaluate(eval_fn, val_data, step, metrics, progress)
-                    stop = dev.any(stopper.signum is not None)
+                    with reported_collectives(dev, "the stop check (an all-reduce over every rank)", step, timeout_s):
+                        stop = dev.any(stopper.signum is not None)
                     saving = tc.checkpoint.enabled and (
                         (tr.save_every and step % tr.save_every == 0)
                         or (stop and tc.checkpoint.on_signal)
                         or (step == tr.steps and tc.checkpoint.at_end)
                     )
                     if saving:
-                        path = ckpt.save(step)
-                        progress.message(f"checkpoint: {path}")
+                        with reported_collectives(dev, "the checkpoint save (DCP's gathers to rank 0)", step, timeout_s):
+                            path = ckpt.save(step)
+                        progress.message(f"checkpoint: {path}" + (" (writing in the background)" if ckpt.pending else ""))
                     if stop:
                         status = "stopped"
                         break
                     last = time.perf_counter()  # evaluation and saving are not step time
+                ckpt.wait()  # the last asynchronous save is complete before the run reports it
                 if status == "completed" and history:
                     val_loss = self._evaluate(eval_fn, val_data, history[-1][0], metrics, progress)
         finally:
@@ -310,6 +336,8 @@ class Trainer:
             "total_s": total_s,
             "world": dev.world,
             "checkpoint": str(ckpt.dir / f"step_{ckpt.last_saved:06d}") if ckpt.last_saved else None,
+            "restarts": self.restarts,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
         }
         if dev.is_main:
             write_summary(self.run_dir / SUMMARY_FILE, result)

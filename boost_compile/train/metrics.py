@@ -2,7 +2,8 @@
 ``summary.json`` and the loss plot.
 
 Files in a run folder: :data:`METRICS_FILE` (one JSON object per step and per
-evaluation, rank 0 appends), :data:`SUMMARY_FILE` (the run's result) and
+evaluation, rank 0 appends; a run restarted in the same folder first writes a
+``restart`` row, :func:`read_metrics` reads the history without the redone steps), :data:`SUMMARY_FILE` (the run's result) and
 :data:`PLOT_FILE` (train and val loss); with ``metrics.tensorboard=true`` also
 TensorBoard event files in :data:`TENSORBOARD_DIR` (the same rows as scalars,
 :data:`TENSORBOARD_TAGS`; :class:`MetricsWriter` writes both).
@@ -107,6 +108,27 @@ class MetricsWriter:
         finally:
             if self.tensorboard is not None:
                 self.tensorboard.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` as the run's history: a ``{"event": "restart", "step": s}``
+    row (written when a run starts again in the same folder, resumed from step ``s``) drops the
+    earlier rows of the steps after ``s``, which the restarted run does again."""
+    rows: list[dict[str, Any]] = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        if row.get("event") == "restart":
+            rows = [r for r in rows if r.get("event") == "restart" or r["step"] <= row["step"]]
+        rows.append(row)
+    return rows
+
+
+def count_restarts(path: Path) -> tuple[int, int]:
+    """(rows of steps, restart rows) in ``metrics.jsonl`` so far: a run that finds rows there
+    is a restart of the run that wrote them."""
+    rows = read_metrics(path)
+    restarts = sum(1 for r in rows if r.get("event") == "restart")
+    return len(rows) - restarts, restarts
 
 
 def write_summary(path: Path, result: dict[str, Any]) -> None:
@@ -228,8 +250,7 @@ def plot_losses(metrics: Path, out: Path, title: str) -> bool:
         return False
     train: dict[int, float] = {}
     val: dict[int, float] = {}
-    for line in metrics.read_text().splitlines():
-        row = json.loads(line)
+    for row in read_metrics(metrics):
         if "loss" in row:
             train[row["step"]] = row["loss"]
         if "val_loss" in row:

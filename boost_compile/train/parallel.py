@@ -11,6 +11,7 @@ decided): a TP group is consecutive ranks, then dp, pp outermost.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from collections.abc import Callable
@@ -92,6 +93,11 @@ class Dist:
         dist.all_reduce(value, group=self.group("pp"))
         return value
 
+    def barrier(self) -> None:
+        """Every rank waits for all the others."""
+        if self.world > 1:
+            dist.barrier()
+
     def any(self, flag: bool) -> bool:
         """True on every rank when ``flag`` is true on one of them."""
         if self.world == 1:
@@ -126,9 +132,36 @@ def setup_distributed(tc: TrainConfig) -> Dist:
     if world > 1:
         if not dist.is_initialized():
             backend = par.dist_backend if par.dist_backend != "auto" else ("nccl" if use_cuda else "gloo")
-            dist.init_process_group(backend, device_id=device if use_cuda else None)
+            timeout = datetime.timedelta(seconds=par.timeout_s)  # the mesh's groups inherit it
+            dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout,
+                                    **_attempt_store(rank, world, timeout))
         mesh = build_mesh(device, par.dp, par.tp, par.pp)
     return Dist(world=world, rank=rank, dp=par.dp, tp=par.tp, device=device, mesh=mesh, pp=par.pp)
+
+
+def attempt() -> int:
+    """Which start of the same run this is: 0 the first, 1 after one restart, ..."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dict[str, Any]:
+    """After a restart, the process group's store keys under this attempt's prefix.
+
+    torchrun's static rendezvous (``--master-addr/--master-port``, its default)
+    keeps one TCPStore for every attempt: the restarted ranks would read the
+    addresses the dead ones published there and fail to connect ("Connection
+    refused"). The first attempt keeps torch's own ``env://`` set-up.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # the agent hosts the store
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"boost_compile/attempt_{restart}", store), "rank": rank, "world_size": world}
 
 
 # ----------------------------------------------------------------------------- parameters
