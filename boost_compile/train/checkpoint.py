@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from boost_compile.config import ConfigError
 from boost_compile.train.checkpoint_shards import to_local, to_saved
@@ -310,8 +310,8 @@ class Checkpointer:
                 step = self.load(path)
             except ConfigError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - DCP raises many kinds; each is reported
-                error = f"{type(exc).__name__}: {_first_line(exc)}"
+            except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises many kinds
+                error = _cause(exc)
             if not self.dev.any(error is not None):
                 return step, path
             error = error or "it failed to load on another rank"
@@ -339,9 +339,13 @@ class _Writer(FileSystemWriter):
         super().finish(metadata, results)
 
 
-def _first_line(exc: BaseException) -> str:
+def _cause(exc: BaseException) -> str:
+    """One line for why a load failed (DCP's CheckpointException holds each failed rank's
+    (exception, traceback): the first rank's exception)."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
     text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _pickled(obj: Any) -> torch.Tensor:

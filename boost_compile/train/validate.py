@@ -447,8 +447,9 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
             raise ConfigError("data=hf needs data.dataset (a dataset name in the local cache, or a path)")
     check_tokenizer(data, tc.model, shape)
 
-    # checkpoint
+    # checkpoint, and what a run does when it fails
     _positive("checkpoint.keep", ck.keep)
+    _positive("parallel.timeout_s", tc.parallel.timeout_s)
     if ck.resume_from is not None and not Path(ck.resume_from).expanduser().exists():
         raise ConfigError(f"checkpoint.resume_from={ck.resume_from!r} does not exist")
 

@@ -94,6 +94,8 @@ def test_schema_rejects_unknown_keys_and_types():
         (["trainer.precision=fp8"], r"trainer.precision='fp8' is not valid"),
         (["+model.overrides.n_heads=3"], r"model.overrides: dim \(64\) must be divisible by n_heads \(3\)"),
         (["model=hf", "model.hf_path=/no/such/model"], r"model.hf_path='/no/such/model' does not exist"),
+        (["trainer.resume=maybe"], r"trainer.resume='maybe' is not valid; choose one of False, True, auto"),
+        (["parallel.timeout_s=0"], r"parallel.timeout_s must be > 0, got 0"),
     ],
 )
 def test_bad_values_stop_with_a_clear_message(overrides, message):
