@@ -7,63 +7,158 @@ layout (TP2 -> one process, one process -> TP2, DP2) reads it:
 :func:`to_saved` turns each shard (of a parameter and of its optimizer state)
 into a distributed tensor DCP saves chunk by chunk, :func:`to_local` turns what
 DCP loaded back into the plain shards the model and optimizer hold.
+
+Where a shard's rows lie in the whole tensor is :func:`shard_layout`: one run of
+rows for a plain shard (a DTensor ``Shard``), one shorter run for a padded
+vocabulary shard (its zero tail is no part of the whole: an uneven DTensor
+``Shard``), one run per part for a fused weight cut part by part (``[q_r | k_r | v_r]``,
+no DTensor placement: saved as the even ``Shard`` of the whole it gathers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from boost_compile.distributed.collectives import local_size
+from boost_compile.distributed.shard import ShardSpec, full_tensor, shard_tensor
 from boost_compile.train.parallel import is_dtensor
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of rows (on ``spec.dim``) of a rank's shard that is one run of the whole tensor."""
+
+    local: int  # its first row in the shard
+    start: int  # its first row in the whole tensor
+    length: int  # 0 for a rank wholly in a padded dim's tail
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a rank's shard lies in the whole tensor, on ``spec.dim``; the rows no chunk
+    covers are padding (zeros)."""
+
+    chunks: tuple[Chunk, ...]
+    local: int  # the shard's size, padding included
+    whole: int  # the whole tensor's size
+
+
+def shard_layout(spec: ShardSpec, length: int, rank: int | None = None) -> ShardLayout:
+    """The layout ``shard_tensor`` cuts for ``rank`` (``spec.rank`` by default); ``length``: the
+    shard's size on ``spec.dim`` (a plain shard's whole is ``length * world``).
+
+    Each part (``spec.sections``; else the padded ``spec.size``; else the whole) is cut as
+    ``torch.chunk`` does: rank r holds rows ``[r * local, min((r + 1) * local, part))`` of it,
+    ``local = ceil(part / world)``, then zeros up to ``local``.
+    """
+    rank = spec.rank if rank is None else rank
+    parts = spec.sections or ((spec.size,) if spec.size is not None else (length * spec.world,))
+    chunks, local, whole = [], 0, 0
+    for part in parts:
+        share = local_size(part, spec.world)
+        start = min(rank * share, part)
+        chunks.append(Chunk(local, whole + start, min(share, part - start)))
+        local += share
+        whole += part
+    if local != length:
+        raise ValueError(f"a shard of {length} rows on dim {spec.dim} does not fit {spec} ({local} rows)")
+    return ShardLayout(tuple(chunks), local, whole)
+
+
+def _specs(model: nn.Module) -> dict[str, ShardSpec | None]:
+    """Each parameter's ``ShardSpec`` under every name it has (a tied head is in the state dict twice)."""
+    return {name: getattr(p, "_boost_tp", None) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def to_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
     """Plain TP shards (``parallelize_``'s btp/megatron) as DTensors over ``mesh`` (the tp
-    mesh), so DCP saves each shard where it belongs in the whole tensor.
+    mesh), so DCP saves each where it belongs in the whole tensor (see :func:`saved_form`).
 
     New dicts: the optimizer's state dict shares its per-parameter dicts with
-    the live optimizer, which must keep its plain tensors.
+    the live optimizer, which must keep its plain tensors. Collective on the tp group
+    for a fused weight: every tp rank calls it, with the same keys.
     """
-    from torch.distributed.tensor import DTensor, Shard
-
-    specs = {name: getattr(p, "_boost_tp", None) for name, p in model.named_parameters()}
+    specs = _specs(model)
 
     def wrap(name: str, t: Any) -> Any:
         spec = specs.get(name)
         if spec is None or spec.dim is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
             return t
-        if spec.sections:
-            # a fused weight cut part by part ([q_r | k_r | v_r]) is no DTensor Shard: saved as
-            # one, its whole tensor would come back with the parts in the wrong order
-            raise NotImplementedError(
-                f"{name}: checkpointing a fused weight sharded part by part (parts {list(spec.sections)}) "
-                "is not supported; use separate q/k/v projections, or parallel.tp=1"
-            )
-        if spec.size is not None:
-            # a padded vocabulary shard: DCP's Shard layout has no room for the padding
-            raise NotImplementedError(
-                f"{name}: checkpointing a head padded to a multiple of the TP degree (vocabulary {spec.size}) "
-                "is not supported; use a vocabulary the TP degree divides (boost-train rounds it up to 64)"
-            )
-        return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False)
+        return saved_form(t, spec, mesh)
 
     model_sd = {name: wrap(name, t) for name, t in model_sd.items()}
     return model_sd, map_optim_state(optim_sd, wrap)
 
 
+def saved_form(t: torch.Tensor, spec: ShardSpec, mesh: Any) -> Any:
+    """One shard ``t`` as DCP saves it: a DTensor ``Shard`` of the whole tensor, its padding dropped.
+
+    A shard that is one run of the whole (plain, padded) is its DTensor as it is, uneven
+    where padded (``torch.chunk``'s offsets are the layout's). A fused weight's rank holds
+    one run per part, which no DTensor placement describes: it is gathered whole (parts in
+    order) and this rank keeps the ``torch.chunk`` slice of it, at the cost of an all-gather
+    of the weight per save. (A ShardedTensor of the part runs needs no collective, but DCP's
+    staging for ``async_save`` cannot copy one, and torch deprecates it.)
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    dim = spec.dim
+    layout = shard_layout(spec, t.shape[dim])
+    shape = list(t.shape)
+    shape[dim] = layout.whole
+    if len(layout.chunks) == 1:
+        (c,) = layout.chunks
+        mine = t if c.length == layout.local else t.narrow(dim, c.local, c.length).contiguous()
+    else:
+        whole = full_tensor(t, spec)
+        size, offset = Shard.local_shard_size_and_offset(layout.whole, spec.world, spec.rank)
+        mine = whole.narrow(dim, offset, size).clone()  # not a view: the whole is freed
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(mine, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
 def to_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
     """What :func:`to_saved` made, after DCP loaded into it, back as the plain shards
-    ``parallelize_`` keeps (a model whose parameters are DTensors keeps DTensors)."""
-    params = dict(model.named_parameters())
+    ``parallelize_`` keeps (a model whose parameters are DTensors keeps DTensors), each the
+    live shard's shape: padding zeros re-added, a fused weight gathered and cut part by part
+    again (collective on the tp group, as :func:`to_saved`)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    specs = _specs(model)
 
     def unwrap(name: str, t: Any) -> Any:
-        return t.to_local() if is_dtensor(t) and not is_dtensor(params.get(name)) else t
+        live, spec = params.get(name), specs.get(name)
+        if not is_dtensor(t) or is_dtensor(live):
+            return t
+        if spec is None or spec.dim is None or live is None:
+            return t.to_local()
+        return local_form(t, spec, live.shape)
 
     model_sd = {name: unwrap(name, t) for name, t in model_sd.items()}
     return model_sd, map_optim_state(optim_sd, unwrap)
+
+
+def local_form(t: Any, spec: ShardSpec, shape: torch.Size) -> torch.Tensor:
+    """This rank's shard of ``shape`` from the DTensor :func:`saved_form` made of it."""
+    if len(shard_layout(spec, shape[spec.dim]).chunks) > 1:  # a fused weight: its parts' runs from the whole
+        return shard_tensor(t.full_tensor(), spec.dim, spec.world, spec.rank, spec.sections)
+    return with_padding(t.to_local(), spec, shape)
+
+
+def with_padding(mine: torch.Tensor, spec: ShardSpec, shape: torch.Size) -> torch.Tensor:
+    """The shard of ``shape`` whose one run of the whole is ``mine``, the rest zeros (a padded
+    vocabulary's tail, as ``parallelize_`` cut it); ``mine`` itself when it is the whole shard."""
+    layout = shard_layout(spec, shape[spec.dim])
+    (c,) = layout.chunks
+    if c.length == layout.local:
+        return mine
+    out = mine.new_zeros(shape)
+    out.narrow(spec.dim, c.local, c.length).copy_(mine)
+    return out
 
 
 def map_optim_state(optim_sd: dict[str, Any], fn: Callable[[str, Any], Any]) -> dict[str, Any]:
