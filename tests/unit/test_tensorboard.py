@@ -150,3 +150,23 @@ def test_resumed_run_hides_the_steps_it_redoes(tmp_path):
     assert scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0)]
     assert not TensorBoardWriter(tmp_path / "rank1", enabled=False).writer  # other ranks write nothing
     assert not (tmp_path / "rank1").exists()
+
+
+@needs_tensorboard
+def test_a_restart_in_the_same_folder_keeps_one_value_per_step(tmp_path):
+    """boost-train started again in its folder (trainer.resume=auto, as after a fault): the
+    event files hold the history of metrics.jsonl without the redone steps' first values."""
+    import shutil
+
+    from boost_compile.train.metrics import read_metrics
+
+    cfg = cfg_of(*FAST, "checkpoint=default", "trainer.steps=4", "trainer.eval_every=0", "trainer.save_every=2",
+                 "trainer.resume=auto",
+                 "metrics.tensorboard=true")
+    run(cfg, tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000004")  # the last save lost: steps 3-4 are redone
+    again = run(cfg, tmp_path)
+    assert again["restarts"] == 1 and again["start_step"] == 2
+    history = [(r["step"], f32(r["loss"])) for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert [s for s, _ in history] == [1, 2, 3, 4]
+    assert scalars(tmp_path / TENSORBOARD_DIR)["train/loss"] == history
