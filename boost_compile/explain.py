@@ -67,7 +67,8 @@ class Explanation:
                     for s in view.linears
                 ],
                 "bottlenecks": [
-                    {"name": c.name, "down": c.down.name, "up": c.up.name, "rank": c.rank, "activation": c.activation}
+                    {"name": c.name, "down": c.down.name, "up": c.up.name, "rank": c.rank, "activation": c.activation,
+                     "latent": latent_work(c, view.bottlenecks)}
                     for c in view.bottlenecks
                 ],
                 "sibling_groups": [[m.name for m in grp.members] for grp in view.sibling_groups],
@@ -118,9 +119,10 @@ class Explanation:
                 "",
             ]
             if view.bottlenecks:
-                lines += ["| bottleneck | d_in | r | d_out | activation |", "|---|---|---|---|---|"]
+                lines += ["| bottleneck | d_in | r | d_out | activation | on the latent |", "|---|---|---|---|---|---|"]
                 lines += [
-                    f"| {c.name} | {c.down.d_in} | {c.rank} | {c.up.d_out} | {c.activation or '-'} |"
+                    f"| {c.name} | {c.down.d_in} | {c.rank} | {c.up.d_out} | {c.activation or '-'} | "
+                    f"{latent_work(c, view.bottlenecks) or '-'} |"
                     for c in view.bottlenecks
                 ]
                 lines.append("")
@@ -239,6 +241,36 @@ def bottleneck_dot(view: GraphView) -> str:
             lines.append(f"  {ids[node]} -> {ids[nxt]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+_LATENT_SYMBOLS = {"add": "+", "iadd": "+", "mul": "*", "imul": "*", "sub": "-", "truediv": "/", "div": "/"}
+
+
+def latent_work(chain: Any, chains: list[Any]) -> str:
+    """The elementwise work between a chain's activation and its up factor, in words:
+    ``+ latent of layers.0.attn.q`` (LaX's crossing), ``* 0.5``, ``* sigmoid_1``; "" when none."""
+    latents = {c.latent: c.name for c in chains}
+    words = []
+    for op in chain.latent_ops:
+        target = op.target if isinstance(op.target, str) else getattr(op.target, "__name__", str(op.target))
+        symbol = _LATENT_SYMBOLS.get(target, target)
+        inputs = [a for a in op.args if a not in (chain.latent, *chain.latent_ops)]
+        words += [f"{symbol} {_operand(other, latents)}" for other in inputs]
+    return ", ".join(words)
+
+
+def _operand(node: Any, latents: dict[fx.Node, str]) -> str:
+    """An operand of latent work: another chain's latent, a scalar times one, a constant or a node."""
+    if not isinstance(node, fx.Node):
+        return str(node)
+    if node in latents:
+        return f"latent of {latents[node]}"
+    if node.op == "call_function" and len(node.args) == 2 and getattr(node.target, "__name__", "") == "mul":
+        a, b = node.args
+        scalar, tensor = (a, b) if isinstance(a, (int, float)) else (b, a)
+        if isinstance(scalar, (int, float)) and isinstance(tensor, fx.Node) and tensor in latents:
+            return f"{scalar:g} * latent of {latents[tensor]}"
+    return node.name
 
 
 def _next_sites(start: fx.Node, sites: dict[fx.Node, str]) -> list[fx.Node]:

@@ -258,16 +258,14 @@ def _gemm_input(node: fx.Node) -> fx.Node:
 
 
 def _up_after(view: GraphView, piece: fx.Node):
-    """The up factor fed by ``piece``, directly or through one elementwise activation."""
-    nxt = piece
-    users = list(nxt.users)
+    """The up factor fed by ``piece``, directly or through one elementwise activation and the
+    latent's elementwise work (LaX's crossing: :meth:`GraphView.latent_path`)."""
+    start = piece
+    users = list(piece.users)
     if len(users) == 1 and users[0].op == "call_function" and users[0].target in ACTIVATION_TARGETS:
-        nxt = users[0]
-        users = list(nxt.users)
-    if len(users) != 1:
-        return None
-    up = view.linear_by_node.get(users[0])
-    return up if up is not None and up.input is nxt else None
+        start = users[0]
+    found = view.latent_path(start)
+    return None if found is None else found[0]
 
 
 def _label(node: fx.Node) -> str:

@@ -10,6 +10,13 @@ example inputs are the parameters themselves) and rewrites, on the Dynamo graph:
 placed as high as it can go: above the split and SiLU that separate a grouped
 down factor's reduced output from its up factors, so backward, like forward,
 sends one [T, r_q + r_k + r_v] all-reduce per group instead of one per factor.
+It also climbs through elementwise work that combines latents (LaX's
+``(h_i + h_{i-1}) @ B_i``, a scale, a gate) when every input of that work feeds
+column-parallel GEMMs only: each input gets the copy instead, so the all-reduce
+sits where all uses of a latent meet (h_i feeds B_i and, crossed, B_{i+1}) and
+sums their partial gradients once. Every forward value there is whole on every
+rank, so each vector-Jacobian product is the same linear map of the gradient on
+every rank and summing before or after it gives the same result.
 
 A weight that is ``cat`` of shards of one role (a group formed by
 ``group_linears``) keeps that role, so a grouped q/k/v down factor needs one
@@ -61,7 +68,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile.analysis import LayerNormSite, RMSNormSite
-from boost_compile.analysis.fx_utils import LINEAR_TARGETS
+from boost_compile.analysis.fx_utils import LATENT_OP_METHODS, LATENT_OP_TARGETS, LINEAR_TARGETS
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.shard import ParallelizeError, ShardSpec
 from boost_compile.pass_manager import PassContext, PassReport
@@ -136,9 +143,10 @@ class TPCollectivesPass(TPPass):
         # after the reductions exist, so that hoisting sees the final graph
         col = {n for n, sp in gemms if sp.role == "col"}
         copies: dict[fx.Node, fx.Node] = {}
-        memo: dict[fx.Node, bool] = {}
+        feeders = _col_feeders(graph, col)
         # every target first: inserting a copy changes the uses that hoisting reads
-        targets = [(node, sp, _hoist_target(_input_arg(node), col, memo)) for node, sp in gemms if sp.role == "col"]
+        targets = [(node, sp, top) for node, sp in gemms if sp.role == "col"
+                   for top in _hoist_targets(_input_arg(node), feeders)]
         for node, sp, top in targets:
             x = _input_arg(node)
             if top not in copies:
@@ -146,7 +154,7 @@ class TPCollectivesPass(TPPass):
                     copies[top] = graph.call_function(copy_to_tp, (top, sp.group_name))
                 copies[top].meta.update(top.meta)
                 collectives += 1
-                if top is not x or _feeds_only_col(x, col, memo):
+                if top is not x or x in feeders:
                     top.replace_all_uses_with(copies[top], delete_user_cb=lambda u, c=copies[top]: u is not c)
             if top is x:
                 node.replace_input_with(x, copies[top])
@@ -178,6 +186,9 @@ _HOISTABLE_FUNCTIONS = {
     torch.nn.functional.gelu, torch.sigmoid, torch.tanh,
 }
 _HOISTABLE_METHODS = {"view", "reshape", "contiguous", "split", "chunk", "float", "silu", "relu", "sigmoid", "tanh"}
+#: elementwise ops of several tensor inputs the copy climbs through when every input feeds
+#: column-parallel GEMMs only (each then gets a copy of its own)
+_COMBINING = LATENT_OP_TARGETS
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -190,23 +201,46 @@ def _hoistable(node: fx.Node) -> bool:
         return len(_tensor_inputs(node)) == 1
     if node.op == "call_method" and node.target in _HOISTABLE_METHODS:
         return len(_tensor_inputs(node)) == 1
-    return False
+    return _combining(node)
 
 
-def _feeds_only_col(node: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> bool:
-    """Every use of ``node`` ends, through hoistable ops only, as the input of a column-parallel GEMM."""
-    if node not in memo:
-        memo[node] = bool(node.users) and all(
-            (u in col and _input_arg(u) is node and sum(a is node for a in u.args) == 1)
-            or (_hoistable(u) and _feeds_only_col(u, col, memo))
-            for u in node.users
-        )
-    return memo[node]
+def _combining(node: fx.Node) -> bool:
+    """An elementwise op of several tensors (``h_i + h_{i-1}``) with no keyword arguments."""
+    is_op = (node.op == "call_function" and node.target in _COMBINING) or (
+        node.op == "call_method" and node.target in LATENT_OP_METHODS)
+    return is_op and not node.kwargs and len(_tensor_inputs(node)) >= 1
 
 
-def _hoist_target(x: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> fx.Node:
-    """Where one ``copy_to_tp`` can serve ``x``: the highest ancestor, through
-    hoistable ops, whose every use feeds column-parallel GEMMs.
+def _col_feeders(graph: fx.Graph, col: set[fx.Node]) -> set[fx.Node]:
+    """The nodes whose every use ends, through hoistable ops only, as the input of a
+    column-parallel GEMM; through elementwise work that combines several tensors only
+    when all of them are such nodes (each will carry its own copy).
+
+    The largest set that is consistent with itself: start from every node with uses and
+    drop, until nothing changes, those with a use that does not qualify (the co-inputs
+    of combining ops make the question circular, so it is not answered by recursion).
+    """
+    feeders = {n for n in graph.nodes if n.users and n.op != "placeholder"}  # a parameter keeps its gradient
+
+    def qualifies(node: fx.Node, use: fx.Node) -> bool:
+        if use in col:
+            return _input_arg(use) is node and sum(a is node for a in use.args) == 1
+        if not _hoistable(use) or use not in feeders:
+            return False
+        return not _combining(use) or all(p in feeders for p in _tensor_inputs(use))
+
+    changed = True
+    while changed:
+        dropped = {n for n in feeders if not all(qualifies(n, u) for u in n.users)}
+        feeders -= dropped
+        changed = bool(dropped)
+    return feeders
+
+
+def _hoist_targets(x: fx.Node, feeders: set[fx.Node]) -> list[fx.Node]:
+    """Where ``copy_to_tp`` can serve ``x``: the highest ancestors, through hoistable ops,
+    whose every use feeds column-parallel GEMMs (:func:`_col_feeders`): one for a unary
+    chain, one per input where elementwise work combines several.
 
     A grouped q/k/v down factor's reduced output is split, passed through SiLU
     and consumed by three up factors: one backward all-reduce of [T, 3r] at the
@@ -214,13 +248,13 @@ def _hoist_target(x: fx.Node, col: set[fx.Node], memo: dict[fx.Node, bool]) -> f
     exact because each rank's gradient is a partial sum of the column slices and
     everything in between is replicated and linear in the gradient.
     """
-    top = x
-    while _hoistable(top):
-        (parent,) = _tensor_inputs(top)
-        if not _feeds_only_col(parent, col, memo):
-            break
-        top = parent
-    return top
+    inputs = _tensor_inputs(x) if _hoistable(x) else []
+    if not inputs or not all(p in feeders for p in inputs):
+        return [x]
+    tops: list[fx.Node] = []
+    for parent in inputs:
+        tops += [t for t in _hoist_targets(parent, feeders) if t not in tops]
+    return tops
 
 
 def _input_arg(node: fx.Node) -> Any:

@@ -33,6 +33,11 @@ SQRT_TARGETS = frozenset({torch.sqrt, torch.Tensor.sqrt})
 SPLIT_TARGETS = frozenset({torch.split, torch.Tensor.split, torch.functional.split})
 CAT_TARGETS = frozenset({torch.cat, torch.concat, torch.concatenate})
 
+#: Elementwise binary ops allowed on a bottleneck's latent between its factors: LaX's
+#: ``h + h_prev``, a scale ``h * s``, a gate ``h * sigmoid(g)`` (Torch IR).
+LATENT_OP_TARGETS = ADD_TARGETS | MUL_TARGETS | frozenset({operator.sub, torch.sub, operator.truediv, torch.div})
+LATENT_OP_METHODS = frozenset({"add", "mul", "sub", "div"})
+
 #: Elementwise unary activations allowed between the two factors of a bottleneck.
 ACTIVATION_TARGETS: dict[Any, str] = {
     torch.nn.functional.silu: "silu",

@@ -7,7 +7,11 @@ real tensors come in ``example_inputs``. ``GraphView`` finds, once:
   ``torch.mm(x2d, W)`` and ``torch.addmm(b, x2d, W)`` where W is a parameter
   (also ``x @ W.t()``);
 - bottleneck chains: ``linear(x, A) -> [elementwise act] -> linear(., B)`` with the
-  inner width r at most ``bottleneck_max_ratio`` of both outer widths;
+  inner width r at most ``bottleneck_max_ratio`` of both outer widths; between the
+  activation and ``B`` the latent may go through elementwise work that keeps its
+  shape (:meth:`GraphView.latent_path`): LaX's crossing ``h_i + h_{i-1}`` (the same
+  projection's latent one block earlier), a scale, a gate; the latent may have
+  other users (LaX carries it to the next block);
 - sibling groups: two or more linears that read the same input and have no path
   between them (q/k/v, gate/up);
 - RMSNorm and LayerNorm sites (``norm_match``), with or without a weight;
@@ -33,12 +37,15 @@ from boost_compile.analysis.fx_utils import (
     ACTIVATION_TARGETS,
     ADD_TARGETS,
     ADDMM_TARGETS,
+    LATENT_OP_METHODS,
+    LATENT_OP_TARGETS,
     LINEAR_TARGETS,
     MATMUL_TARGETS,
     MM_TARGETS,
     count_ops,
     is_call,
     is_full_view,
+    meta_tensor,
     source_to_fqn,
     static_shape,
 )
@@ -74,17 +81,29 @@ class LinearSite:
 
 @dataclass
 class BottleneckChain:
-    """``up(act(down(x)))`` with a narrow inner width ``rank``."""
+    """``up(act(down(x)) [op ...])`` with a narrow inner width ``rank``.
+
+    ``latent_ops``: the elementwise nodes between the activation (or the down factor)
+    and ``up``, in order (empty for a plain bottleneck); ``crossings``: the other
+    tensors of the same shape they combine with (LaX: the previous block's latent).
+    """
 
     down: LinearSite
     up: LinearSite
     activation: str | None
     activation_node: fx.Node | None
     rank: int
+    latent_ops: tuple[fx.Node, ...] = ()
+    crossings: tuple[fx.Node, ...] = ()
 
     @property
     def name(self) -> str:
         return _common_prefix(self.down.name, self.up.name) or self.down.name
+
+    @property
+    def latent(self) -> fx.Node:
+        """The latent other chains may cross with: the activation's output, else the down factor's."""
+        return self.activation_node or self.down.node
 
 
 @dataclass
@@ -279,25 +298,75 @@ class GraphView:
         chains = []
         max_ratio = self.config.bottleneck_max_ratio
         for down in self.linears:
+            start, act, act_node = down.node, None, None
             users = list(down.node.users)
-            if len(users) != 1:
+            if len(users) == 1 and (act_name := self._activation_name(users[0])) is not None:
+                act, act_node = act_name, users[0]
+                start = act_node
+            found = self.latent_path(start)
+            if found is None:
                 continue
-            nxt, act, act_node = users[0], None, None
-            act_name = self._activation_name(nxt)
-            if act_name is not None:
-                act, act_node = act_name, nxt
-                if len(nxt.users) != 1:
-                    continue
-                nxt = next(iter(nxt.users))
-            up = self.linear_by_node.get(nxt)
-            if up is None or up.input is not (act_node or down.node):
-                continue
+            up, ops = found
             r = down.d_out
             if up.d_in != r:
                 continue
             if r <= max_ratio * down.d_in and r <= max_ratio * up.d_out:
-                chains.append(BottleneckChain(down, up, act, act_node, r))
+                crossings = tuple(
+                    a for op in ops for a in op.all_input_nodes
+                    if a is not start and a not in ops and _same_shape(a, start)
+                )
+                chains.append(BottleneckChain(down, up, act, act_node, r, ops, crossings))
         return chains
+
+    def latent_path(self, start: fx.Node) -> tuple[LinearSite, tuple[fx.Node, ...]] | None:
+        """The up factor a latent ``start`` feeds, and the elementwise nodes on the way.
+
+        The first linear (in graph order) whose input is ``start`` or is reached
+        from it through binary elementwise ops (:data:`LATENT_OP_TARGETS`) whose
+        output keeps ``start``'s shape and whose other operand is a scalar, a tensor
+        of that shape (another latent) or one that is the same for every token (a
+        scale, or a gate over the r channels). None when no linear is reached that way.
+        """
+        order = self._order
+        reached, todo, via = {start}, [start], {start: ()}
+        best: tuple[int, LinearSite, tuple[fx.Node, ...]] | None = None
+        while todo:
+            node = todo.pop()
+            for user in node.users:
+                site = self.linear_by_node.get(user)
+                if site is not None and site.input is node:
+                    if best is None or order[user] < best[0]:
+                        best = (order[user], site, via[node])
+                elif user not in reached and self._latent_op(user, node, start):
+                    reached.add(user)
+                    via[user] = (*via[node], user)
+                    todo.append(user)
+        return None if best is None else (best[1], best[2])
+
+    @cached_property
+    def _order(self) -> dict[fx.Node, int]:
+        return {n: i for i, n in enumerate(self.graph.nodes)}
+
+    @staticmethod
+    def _latent_op(node: fx.Node, operand: fx.Node, latent: fx.Node) -> bool:
+        """``node`` combines ``operand`` elementwise with a scalar, a same-shaped tensor or a
+        small broadcast one, keeping ``latent``'s shape."""
+        if not is_call(node, LATENT_OP_TARGETS) and not (node.op == "call_method" and node.target in LATENT_OP_METHODS):
+            return False
+        if node.kwargs or len(node.args) != 2 or not _same_shape(node, latent):
+            return False
+        other = node.args[1] if node.args[0] is operand else node.args[0]
+        if other is operand:
+            return False
+        if isinstance(other, (int, float)):
+            return True
+        value = meta_tensor(other) if isinstance(other, fx.Node) else None
+        shape = static_shape(latent)
+        if value is None or shape is None:
+            return False
+        dims = tuple(value.shape)
+        # another latent, or the same value for every token (a scalar tensor, a gate over the r channels)
+        return dims == shape or (all(s == 1 for s in dims[:-1]) and (not dims or dims[-1] in (1, shape[-1])))
 
     @staticmethod
     def _activation_name(node: fx.Node) -> str | None:
@@ -413,6 +482,11 @@ class GraphView:
             "layernorms": len(self.layernorms),
             "residual_adds": max(0, len(self.residual_stream) - 1),
         }
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    sa, sb = static_shape(a), static_shape(b)
+    return sa is not None and sa == sb
 
 
 def _is_stream_view(node: Any) -> bool:

@@ -63,7 +63,9 @@ STYLE_MODELS = {
             "hf-llama-tied-lowrank", "hf-qwen2-lowrank", "hf-gemma-lowrank", "hf-phi3-lowrank",
             # LayerNorm (online LayerNorm) and weightless norms
             "nanogpt-layernorm-lowrank", "nanogpt-layernorm-bias-lowrank", "nanogpt-layernorm-mean100-lowrank",
-            "hf-gpt2-lowrank", "hf-opt-lowrank", "modded-lowrank", "modded-layernorm-lowrank"],
+            "hf-gpt2-lowrank", "hf-opt-lowrank", "modded-lowrank", "modded-layernorm-lowrank",
+            # LaX: latents crossing to the next block, and with a gate and a scale on the latent
+            "raw-lax", "raw-lax-gated"],
     "megatron": ["nanogpt-fused-dense", "nanogpt-split-dense", "meta-llama-dense", "hf-llama-tied-dense",
                  "hf-qwen2-dense", "hf-gemma-dense", "hf-gpt2-dense", "hf-phi3-dense",
                  "nanogpt-layernorm-dense", "nanogpt-layernorm-bias-dense", "hf-opt-dense", "modded-dense"],
@@ -76,6 +78,7 @@ STYLE_SCENARIOS = [
      "optim": "sgd", "options": {"tp": {"norm_statistic": "separate"}}},
     {"name": "nanogpt-layernorm-bias-lowrank-btp-ckpt", "model": "style:nanogpt-layernorm-bias-lowrank", "plan": "btp",
      "optim": "sgd", "checkpoint": "lowrank"},
+    {"name": "raw-lax-btp-ckpt", "model": "style:raw-lax", "plan": "btp", "optim": "sgd", "checkpoint": "lowrank"},
     {"name": "cola-tied-btp", "model": "tiny:4:tied", "plan": "btp", "optim": "sgd"},
     {"name": "dense-tied-megatron", "model": "tiny-dense:4:tied", "plan": "megatron", "optim": "sgd"},
 ]
@@ -372,6 +375,25 @@ def test_btp_bf16_packing_bytes(results):
     # backward sums the up factors' input gradients and the head's [T, d] input gradient in bf16 either way
     for r in (packed, separate):
         assert reduce_bytes(r["collectives"]["backward"]) == n * T * (4 * ra + 3 * rm) * BF16 + T * d * BF16
+
+
+def test_lax_sends_what_cola_sends(results):
+    """LaX under btp: the latent is whole on every rank after its down factor's all-reduce, so
+    the crossing adds no collective: forward sends btp's bytes per layer (the [T, r] sums and the
+    two norm statistics), exactly what the same model without crossings sends, and backward sums
+    each latent's gradient once where its two uses (its own up factor, the next block's) meet.
+    A gate on the latent adds one [r] all-reduce of its gradient per projection; low-rank
+    checkpointing repeats no collective."""
+    lax, cola = ok(results, "raw-lax-btp")["collectives"], ok(results, "raw-cola-btp")["collectives"]
+    r, n = 16, 2  # style_models: rank d/4 in every projection, 2 blocks
+    assert reduce_bytes(lax["forward"]) == n * (T * 7 * r * FP32 + 2 * T * FP32)
+    assert payloads(lax) == payloads(cola)
+    gated = ok(results, "raw-lax-gated-btp")["collectives"]
+    assert payloads({"forward": gated["forward"]}) == payloads({"forward": lax["forward"]})
+    gates = [c for c in gated["backward"] if c["shape"] == [r]]
+    assert len(gates) == 7 * n and all(c["bytes"] == r * FP32 for c in gates)
+    assert reduce_bytes(gated["backward"]) == reduce_bytes(lax["backward"]) + 7 * n * r * FP32
+    assert payloads(ok(results, "raw-lax-btp-ckpt")["collectives"]) == payloads(lax)
 
 
 @pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])

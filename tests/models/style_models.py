@@ -750,6 +750,119 @@ class TransposedColaLayer(ColaLayer):
 
 
 # =============================================================================
+# 3b. LaX (latent crossing) in CoLA's raw-parameter style
+# =============================================================================
+
+
+class LaxLayer(ColaLayer):
+    """y = (silu(x A) + h_prev) B: a CoLA layer whose latent also takes the same projection's
+    latent of the previous block (none in the first); returns (y, its own latent)."""
+
+    def forward(self, x, h_prev=None):
+        h = F.silu(x @ self.A)
+        return (h if h_prev is None else h + h_prev) @ self.B, h
+
+
+class LaxAttention(ColaAttention):
+    def __init__(self, config: ColaConfig):
+        super().__init__(config)
+        r = config.attn_rank
+        self.q_proj = LaxLayer(self.hidden_size, self.num_heads * self.head_dim, r)
+        self.k_proj = LaxLayer(self.hidden_size, self.num_key_value_heads * self.head_dim, r)
+        self.v_proj = LaxLayer(self.hidden_size, self.num_key_value_heads * self.head_dim, r)
+        self.o_proj = LaxLayer(self.num_heads * self.head_dim, self.hidden_size, r)
+
+    def forward(self, hidden_states, latents):
+        bsz, q_len, _ = hidden_states.size()
+        q, latents["q"] = self.q_proj(hidden_states, latents.get("q"))
+        k, latents["k"] = self.k_proj(hidden_states, latents.get("k"))
+        v, latents["v"] = self.v_proj(hidden_states, latents.get("v"))
+        query_states = q.view(bsz, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        key_states = k.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        value_states = v.view(bsz, q_len, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary_emb(value_states, seq_len=q_len)
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        key_states = key_states.repeat_interleave(self.num_key_value_groups, dim=1)
+        value_states = value_states.repeat_interleave(self.num_key_value_groups, dim=1)
+        attn_output = F.scaled_dot_product_attention(query_states, key_states, value_states, is_causal=True)
+        attn_output = attn_output.transpose(1, 2).reshape(bsz, q_len, self.hidden_size)
+        out, latents["o"] = self.o_proj(attn_output, latents.get("o"))
+        return out
+
+
+class LaxMLP(nn.Module):
+    def __init__(self, config: ColaConfig):
+        super().__init__()
+        r = config.mlp_rank
+        self.gate_proj = LaxLayer(config.hidden_size, config.intermediate_size, r)
+        self.up_proj = LaxLayer(config.hidden_size, config.intermediate_size, r)
+        self.down_proj = LaxLayer(config.intermediate_size, config.hidden_size, r)
+
+    def forward(self, x, latents):
+        gate, latents["gate"] = self.gate_proj(x, latents.get("gate"))
+        up, latents["up"] = self.up_proj(x, latents.get("up"))
+        out, latents["down"] = self.down_proj(F.silu(gate) * up, latents.get("down"))
+        return out
+
+
+class LaxDecoderLayer(ColaDecoderLayer):
+    def __init__(self, config: ColaConfig):
+        super().__init__(config)
+        self.self_attn = LaxAttention(config)
+        self.mlp = LaxMLP(config)
+
+    def forward(self, hidden_states, latents):
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), latents)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states), latents)
+
+
+class LaxForCausalLM(ColaForCausalLM):
+    """The latents travel from block to block in a dict keyed by projection."""
+
+    def __init__(self, config: ColaConfig):
+        super().__init__(config)
+        self.layers = nn.ModuleList([LaxDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+
+    def forward(self, input_ids):
+        hidden_states = self.embed_tokens(input_ids)
+        latents: dict[str, torch.Tensor] = {}
+        for decoder_layer in self.layers:
+            hidden_states = decoder_layer(hidden_states, latents)
+        return self.lm_head(self.norm(hidden_states))
+
+
+class GatedLaxLayer(LaxLayer):
+    """LaX with more work on the latent: a learned gate, and the crossing scaled by 0.5:
+    y = (silu(x A) * sigmoid(g) + 0.5 h_prev) B."""
+
+    def __init__(self, in_features, out_features, rank):
+        super().__init__(in_features, out_features, rank)
+        self.gate = nn.Parameter(torch.randn(rank))
+
+    def forward(self, x, h_prev=None):
+        h = F.silu(x @ self.A)
+        z = h * torch.sigmoid(self.gate)
+        return (z if h_prev is None else z + 0.5 * h_prev) @ self.B, h
+
+
+def raw_lax(seed: int = 0, gated: bool = False) -> tuple[nn.Module, LossFn]:
+    """LaX over raw CoLA factors: every projection's latent crosses into the next block, GQA 4/2;
+    ``gated``: :class:`GatedLaxLayer` everywhere."""
+    torch.manual_seed(seed)
+    model = LaxForCausalLM(ColaConfig())
+    if gated:
+        for name, layer in list(model.named_modules()):
+            if isinstance(layer, LaxLayer):
+                owner, _, attr = name.rpartition(".")
+                new = GatedLaxLayer(layer.in_features, layer.out_features, layer.rank)
+                with torch.no_grad():
+                    new.A.copy_(layer.A)
+                    new.B.copy_(layer.B)
+                setattr(model.get_submodule(owner), attr, new)
+    return model, raw_cola_loss
+
+
+# =============================================================================
 # 4. Hugging Face models built from configs (nothing downloaded)
 # =============================================================================
 
@@ -1031,6 +1144,8 @@ STYLES: dict[str, Builder] = {
     "meta-llama-lowrank": functools.partial(meta_llama, low_rank=True),
     "raw-cola": raw_cola,
     "raw-cola-transposed": functools.partial(raw_cola, spelling="transposed"),
+    "raw-lax": raw_lax,
+    "raw-lax-gated": functools.partial(raw_lax, gated=True),
     "hf-llama-tied-lowrank": functools.partial(hf_llama_tied, low_rank=True),
     "hf-llama-tied-dense": functools.partial(hf_llama_tied, low_rank=False),
     "hf-qwen2-lowrank": functools.partial(hf_qwen2, low_rank=True),
@@ -1059,6 +1174,8 @@ BOTTLENECKS_PER_BLOCK: dict[str, int] = {
     "meta-llama-lowrank": 7,
     "raw-cola": 7,
     "raw-cola-transposed": 7,
+    "raw-lax": 7,
+    "raw-lax-gated": 7,
     "hf-llama-tied-lowrank": 7,
     "hf-qwen2-lowrank": 7,
     "hf-gemma-lowrank": 7,
@@ -1070,6 +1187,6 @@ BOTTLENECKS_PER_BLOCK: dict[str, int] = {
 BLOCKS = N_LAYERS
 
 __all__ = [
-    "BLOCKS", "BOTTLENECKS_PER_BLOCK", "STYLES", "nanogpt", "meta_llama", "raw_cola",
+    "BLOCKS", "BOTTLENECKS_PER_BLOCK", "STYLES", "nanogpt", "meta_llama", "raw_cola", "raw_lax",
     "hf_llama_tied", "hf_qwen2", "hf_gemma",
 ]

@@ -107,7 +107,8 @@ def test_bottleneck_ratio_is_configurable():
     assert {c.down.name for c in view.bottlenecks} == {"down"}
 
 
-def test_bottleneck_needs_single_use_of_inner_activation():
+def test_a_latent_may_have_other_uses():
+    """A latent read elsewhere too (LaX carries it to the next block) is still a bottleneck's."""
     class Leaky(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -118,7 +119,65 @@ def test_bottleneck_needs_single_use_of_inner_activation():
             h = self.down(x)
             return self.up(h) + h.sum()
 
-    assert view_of(Leaky(), torch.randn(3, 32)).bottlenecks == []
+    (chain,) = view_of(Leaky(), torch.randn(3, 32)).bottlenecks
+    assert (chain.down.name, chain.up.name, chain.latent_ops) == ("down", "up", ())
+
+
+class Crossing(nn.Module):
+    """Three bottlenecks of rank 8; the second and third add the previous one's latent (LaX),
+    the third also gates its own and scales the crossing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = nn.ParameterList([nn.Parameter(torch.randn(64, 8)) for _ in range(3)])
+        self.B = nn.ParameterList([nn.Parameter(torch.randn(8, 64)) for _ in range(3)])
+        self.gate = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h0 = F.silu(x @ self.A[0])
+        x = x + h0 @ self.B[0]
+        h1 = F.silu(x @ self.A[1])
+        x = x + (h1 + h0) @ self.B[1]
+        h2 = F.silu(x @ self.A[2])
+        return x + (h2 * torch.sigmoid(self.gate) + 0.5 * h1) @ self.B[2]
+
+
+def test_latent_crossing_and_elementwise_work():
+    from boost_compile.explain import latent_work
+
+    view = view_of(Crossing(), torch.randn(2, 5, 64))
+    chains = view.bottlenecks
+    assert [(c.down.name, c.up.name, c.rank, c.activation) for c in chains] == [
+        (f"A.{i}", f"B.{i}", 8, "silu") for i in range(3)]
+    assert [len(c.latent_ops) for c in chains] == [0, 1, 2]
+    assert chains[1].crossings == (chains[0].latent,)
+    assert [latent_work(c, chains) for c in chains] == [
+        "", "+ latent of A.0", f"* {chains[2].latent_ops[0].args[1].name}, + 0.5 * latent of A.1"]
+
+
+@pytest.mark.parametrize("between", ["softmax", "per_token", "other_width"])
+def test_latent_work_that_is_no_bottleneck(between):
+    """What the latent may not go through: a reduction over its channels, a per-token scale
+    (it differs from token to token, so under TP it would have to be whole first) and an
+    operand of another width."""
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.A = nn.Parameter(torch.randn(64, 8))
+            self.B = nn.Parameter(torch.randn(8, 64))
+            self.wide = nn.Parameter(torch.randn(2, 5, 1))
+
+        def forward(self, x):
+            h = F.silu(x @ self.A)
+            if between == "softmax":
+                h = h.softmax(-1)
+            elif between == "per_token":
+                h = h * x.mean(-1, keepdim=True)
+            else:
+                h = h * self.wide
+            return h @ self.B
+
+    assert view_of(Odd(), torch.randn(2, 5, 64)).bottlenecks == []
 
 
 # ----------------------------------------------------------------------------- siblings
