@@ -1,4 +1,4 @@
-"""Reference models: a Llama-style decoder with dense, low-rank or CoLA projections."""
+"""Reference models: a Llama-style decoder with dense, low-rank, CoLA or LaX projections."""
 
 from boost_compile.models.llama import (
     MLP,
@@ -8,12 +8,13 @@ from boost_compile.models.llama import (
     Llama,
     LlamaConfig,
 )
-from boost_compile.models.lowrank import ACTIVATIONS, LowRankLinear, break_even_rank
+from boost_compile.models.lowrank import ACTIVATIONS, LaxLinear, LowRankLinear, break_even_rank
 
 __all__ = [
     "ACTIVATIONS",
     "Attention",
     "Block",
+    "LaxLinear",
     "Llama",
     "LlamaConfig",
     "LowRankLinear",

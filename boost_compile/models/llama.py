@@ -1,12 +1,18 @@
-"""A small Llama-style decoder whose projections can be dense, low-rank or CoLA.
+"""A small Llama-style decoder whose projections can be dense, low-rank, CoLA or LaX.
 
 Used by tests, benchmarks and the training loop. Every q/k/v/o/gate/up/down
 projection is an ``nn.Linear`` (``projection="dense"``), a plain bottleneck
-``LowRankLinear`` (``"lowrank"``) or a CoLA bottleneck with a SiLU inside
-(``"cola"``); the embedding and the output head always stay dense. The model is
-written to compile with ``torch.compile(model, fullgraph=True)``: RoPE uses the
-real-valued rotate-half form (no complex tensors) and attention goes through
+``LowRankLinear`` (``"lowrank"``), a CoLA bottleneck with a SiLU inside
+(``"cola"``) or a LaX one (``"lax"``, :class:`LaxLinear`: a CoLA bottleneck whose
+latent also receives the same projection's latent of the previous block); the
+embedding and the output head always stay dense. The model is written to compile
+with ``torch.compile(model, fullgraph=True)``: RoPE uses the real-valued
+rotate-half form (no complex tensors) and attention goes through
 ``F.scaled_dot_product_attention``.
+
+LaX's latents travel as a dict, projection name -> latent [b, s, r]: each block
+takes the previous block's (``{}`` before the first) and returns its own beside
+its output; the other kinds pass none and their blocks return the output alone.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from boost_compile.models.lowrank import LowRankLinear, break_even_rank
+from boost_compile.models.lowrank import LaxLinear, LowRankLinear, break_even_rank
 
-PROJECTIONS = ("dense", "lowrank", "cola")
+PROJECTIONS = ("dense", "lowrank", "cola", "lax")
 #: ``norm``: Llama's RMSNorm, or LayerNorm with a bias (GPT-2, OPT and their kin)
 NORMS = ("rmsnorm", "layernorm")
 INIT_STD = 0.02
@@ -43,7 +49,7 @@ PAPER_SHAPES: dict[str, tuple[int, int, int, int, int, int]] = {
     "7b": (4096, 32, 32, 11008, 1024, 4096),
 }
 # Preset family prefix -> projection kind.
-FAMILIES = {"cola": "cola", "lowrank": "lowrank", "llama": "dense"}
+FAMILIES = {"cola": "cola", "lowrank": "lowrank", "llama": "dense", "lax": "lax"}
 TINY = {
     "vocab_size": 256,
     "dim": 64,
@@ -63,6 +69,7 @@ def _preset_table() -> dict[str, dict]:
         "tiny": {**TINY, "projection": "cola"},
         "tiny-dense": {**TINY, "projection": "dense", "rank_attn": None, "rank_mlp": None},
         "tiny-lowrank": {**TINY, "projection": "lowrank"},
+        "tiny-lax": {**TINY, "projection": "lax"},
     }
     for size, (dim, layers, heads, ffn, rank, seq) in PAPER_SHAPES.items():
         for family, projection in FAMILIES.items():
@@ -214,14 +221,30 @@ class LlamaConfig:
         return cls(**kwargs)
 
 
+#: LaX's latents between two blocks: projection name (``q_proj``, ...) -> its latent [b, s, r]
+Latents = dict[str, Tensor]
+
+
 def make_projection(d_in: int, d_out: int, rank: int | None, kind: str, bias: bool) -> nn.Module:
-    """A dense, plain low-rank or CoLA projection ``d_in -> d_out``."""
+    """A dense, plain low-rank, CoLA or LaX projection ``d_in -> d_out``."""
     if kind == "dense":
         return nn.Linear(d_in, d_out, bias=bias)
     if rank is None:
         raise ValueError(f"projection {kind!r} needs a rank")
+    if kind == "lax":
+        return LaxLinear(d_in, d_out, rank, bias=bias)
     activation = "silu" if kind == "cola" else None
     return LowRankLinear(d_in, d_out, rank, bias=bias, activation=activation)
+
+
+def project(proj: nn.Module, name: str, x: Tensor, prev: Latents | None, own: Latents | None) -> Tensor:
+    """``proj(x)``; for LaX (``own`` given) the projection also adds ``prev[name]``, the same
+    projection's latent of the previous block (none in the first block), and leaves its own
+    latent in ``own[name]`` for the next block."""
+    if own is None:
+        return proj(x)
+    y, own[name] = proj(x, prev.get(name) if prev else None)
+    return y
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -267,13 +290,15 @@ class Attention(nn.Module):
         self.v_proj = make_projection(*shapes["v_proj"], kind, bias)
         self.o_proj = make_projection(*shapes["o_proj"], kind, bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, prev: Latents | None = None,
+                own: Latents | None = None) -> Tensor:
+        """Attention over ``x`` [b, s, dim]; ``prev`` / ``own``: LaX's latents (see :func:`project`)."""
         b, s, _ = x.shape
         # Head counts come from the tensors (-1), not the config, so a tensor-parallel
         # rank that holds a slice of the heads runs the same code on its local heads.
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = project(self.q_proj, "q_proj", x, prev, own).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = project(self.k_proj, "k_proj", x, prev, own).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = project(self.v_proj, "v_proj", x, prev, own).view(b, s, -1, self.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         n_rep = q.shape[1] // k.shape[1]
@@ -281,7 +306,7 @@ class Attention(nn.Module):
         v = repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).reshape(b, s, -1)
-        return self.o_proj(out)
+        return project(self.o_proj, "o_proj", out, prev, own)
 
 
 class MLP(nn.Module):
@@ -295,8 +320,11 @@ class MLP(nn.Module):
         self.up_proj = make_projection(*shapes["up_proj"], kind, bias)
         self.down_proj = make_projection(*shapes["down_proj"], kind, bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, prev: Latents | None = None, own: Latents | None = None) -> Tensor:
+        """The MLP of ``x``; ``prev`` / ``own``: LaX's latents (see :func:`project`)."""
+        gate = F.silu(project(self.gate_proj, "gate_proj", x, prev, own))
+        hidden = gate * project(self.up_proj, "up_proj", x, prev, own)
+        return project(self.down_proj, "down_proj", hidden, prev, own)
 
 
 def make_norm(config: LlamaConfig) -> nn.Module:
@@ -315,10 +343,21 @@ class Block(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = make_norm(config)
         self.mlp = MLP(config)
+        self.crossing = config.projection == "lax"
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.mlp(self.ffn_norm(h))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                latents: Latents | None = None) -> Tensor | tuple[Tensor, Latents]:
+        """The block's output; a LaX block (``latents``: the previous block's, ``{}`` for the
+        first) returns ``(output, its own latents)``. ``latents`` itself is left unchanged."""
+        if self.crossing and latents is None:
+            raise TypeError(
+                "a LaX block adds the previous block's latents: call it as block(x, cos, sin, latents) "
+                "with the latents the block before returned ({} for the first block)"
+            )
+        own: Latents | None = None if latents is None else {}
+        h = x + self.attention(self.attention_norm(x), cos, sin, latents, own)
+        out = h + self.mlp(self.ffn_norm(h), latents, own)
+        return out if own is None else (out, own)
 
 
 class Llama(nn.Module):
@@ -379,8 +418,12 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         cos = self.rope_cos[:seq].to(h.dtype)
         sin = self.rope_sin[:seq].to(h.dtype)
+        latents: Latents | None = {} if self.config.projection == "lax" else None
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if latents is None:
+                h = layer(h, cos, sin)
+            else:  # LaX: each block's latents cross into the next block's projections
+                h, latents = layer(h, cos, sin, latents)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits

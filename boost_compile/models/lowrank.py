@@ -5,7 +5,9 @@ A dense ``d_in x d_out`` projection is replaced by a *down* factor ``A``
 this is plain low-rank ("SVD") factorisation; with ``activation="silu"`` it is a
 CoLA layer. Both factors are ``nn.Linear`` modules and the forward pass uses
 ``torch.nn.functional`` calls, so a captured graph reads ``linear -> [silu] ->
-linear`` -- the pattern the compiler passes look for.
+linear`` -- the pattern the compiler passes look for. :class:`LaxLinear` is the
+LaX variant ("latent crossing"): a CoLA layer whose latent also receives the same
+projection's latent of the previous block, ``linear -> silu -> add -> linear``.
 """
 
 from __future__ import annotations
@@ -127,6 +129,39 @@ class LowRankLinear(nn.Module):
         )
 
 
+class LaxLinear(LowRankLinear):
+    """LaX bottleneck: a CoLA layer whose latent crosses into the same projection of the next block.
+
+    ``forward(x, prev)`` computes the latent ``h = silu(x A)`` and returns
+    ``((h + prev) B, h)``: the output, and the latent the next block's projection
+    adds. The first block has no ``prev`` (None): its output is CoLA's ``h B``.
+    Same factors, state-dict keys and parameter count as the CoLA layer
+    (``activation=None``: the crossing on a plain low-rank layer).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        *,
+        bias: bool = False,
+        activation: str | None = "silu",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, rank, bias=bias, activation=activation, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor, prev: Tensor | None = None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        h = self.down(x)
+        if self.activation is not None:
+            h = ACTIVATIONS[self.activation](h)
+        return self.up(h if prev is None else h + prev), h
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", crossing=True"
+
+
 def dense_or_lowrank_params(d_in: int, d_out: int, rank: int | None) -> int:
     """Weight count of a projection: dense when ``rank`` is None, else factorised."""
     return d_in * d_out if rank is None else rank * (d_in + d_out)
@@ -134,6 +169,7 @@ def dense_or_lowrank_params(d_in: int, d_out: int, rank: int | None) -> int:
 
 __all__ = [
     "ACTIVATIONS",
+    "LaxLinear",
     "LowRankLinear",
     "break_even_rank",
     "cola_std",

@@ -252,6 +252,12 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
                 f"microbatches={par.microbatches}, layers_per_stage={par.layers_per_stage})"
             )
         return
+    if shape.kind == "preset" and shape.llama_config.projection == "lax":
+        raise ConfigError(
+            f"parallel.pp={par.pp}: preset {tc.model.preset!r} is a LaX model, whose every projection adds the same "
+            "projection's latent of the previous block, and pipeline stages pass only the residual stream between "
+            "them (a block's latents cannot reach the next stage); use parallel.pp=1"
+        )
     if par.tp > 1 and par.plan == "vanilla":
         raise ConfigError(
             "parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron (their stages pass the stream "

@@ -53,6 +53,9 @@ SCENARIOS = [
     {"name": "cola-btp-overlap", "model": "tiny:4", "plan": "btp", "options": {"tp": {"overlap": True}}},
     {"name": "cola-btp-overlap-inductor", "model": "tiny:4", "plan": "btp", "inner": "inductor",
      "options": {"tp": {"overlap": True}}, "steps": 1},
+    # LaX (the reference model's lax projections, GQA): every projection's latent crosses into the next block
+    {"name": "lax-btp", "model": "tiny-lax", "plan": "btp"},
+    {"name": "lax-btp-ckpt-lowrank", "model": "tiny-lax", "plan": "btp", "checkpoint": "lowrank", "steps": 1},
     {"name": "bad", "bad_inputs": True},
 ]
 
@@ -394,6 +397,10 @@ def test_lax_sends_what_cola_sends(results):
     assert len(gates) == 7 * n and all(c["bytes"] == r * FP32 for c in gates)
     assert reduce_bytes(gated["backward"]) == reduce_bytes(lax["backward"]) + 7 * n * r * FP32
     assert payloads(ok(results, "raw-lax-btp-ckpt")["collectives"]) == payloads(lax)
+    # the reference model's LaX preset (GQA) sends what its CoLA preset sends, checkpointed or not
+    ref = ok(results, "lax-btp")["collectives"]
+    assert payloads(ref) == payloads(ok(results, "cola-btp-gqa")["collectives"])
+    assert payloads(ok(results, "lax-btp-ckpt-lowrank")["collectives"]) == payloads(ref)
 
 
 @pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])

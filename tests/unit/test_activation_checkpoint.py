@@ -207,9 +207,10 @@ def test_parity_with_the_fused_norm_op():
 # ----------------------------------------------------------------------------- what is saved
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-lowrank"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-lowrank", "tiny-lax"])
 def test_lowrank_saves_the_bottleneck_and_the_residual(name):
     """Per layer: 7 x [T, r] (q/k/v and gate/up as grouped tensors) + 2 x [T, d] of residual.
+    LaX saves the same: its latents are the down outputs, and the crossing's add is recomputed.
 
     Allowed besides, with the reason:
     - parameters and inputs (kind "input"): not activation memory;

@@ -10,7 +10,7 @@ from boost_compile.models import Llama, LlamaConfig, LowRankLinear, break_even_r
 from boost_compile.models.llama import apply_rope, rope_tables
 from boost_compile.models.lowrank import cola_std
 
-TINY_PRESETS = ["tiny", "tiny-dense", "tiny-lowrank"]
+TINY_PRESETS = ["tiny", "tiny-dense", "tiny-lowrank", "tiny-lax"]
 SIZES = ["60m", "130m", "350m", "1b", "7b"]
 
 
@@ -92,7 +92,7 @@ def test_presets_listed_and_construct():
     names = LlamaConfig.presets()
     assert set(TINY_PRESETS) <= set(names)
     for size in SIZES:
-        assert {f"cola-{size}", f"lowrank-{size}", f"llama-{size}"} <= set(names)
+        assert {f"cola-{size}", f"lowrank-{size}", f"llama-{size}", f"lax-{size}"} <= set(names)
     for name in names:
         LlamaConfig.preset(name)  # validates
 

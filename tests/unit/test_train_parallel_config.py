@@ -43,6 +43,8 @@ FOUR_LAYERS = "+model.overrides.n_layers=4"
         (["parallel.pp=2", "parallel.layers_per_stage=[1,2]"], 2,
          r"parallel.layers_per_stage=\[1, 2\] must give each of the 2 stages .* at least one block, 2 blocks in all"),
         (["parallel.layers_per_stage=[1,1]"], 1, r"set parallel.pp > 1"),
+        (["parallel.pp=2", "model=tiny-lax"], 2,
+         r"parallel.pp=2: preset 'tiny-lax' is a LaX model.*pipeline stages pass only the residual stream"),
         (["parallel.pp=2", "model=hf-tiny", "model.hf_config.model_type=gpt2"], 2,
          r"pipeline stages of Hugging Face model_type 'gpt2' are not supported"),
     ],
