@@ -8,6 +8,7 @@ Each variant is one configuration of :func:`boost_compile.bench.scale_model.pred
     tp: dense, megatron             full-rank TP2      dense, 1 process   full-rank TP1
         CoLA, vanilla (DTensor)     vanilla TP2        CoLA, 1 process    btp TP1
         CoLA, btp                   btp TP2
+        LaX, btp (--lax)            btp TP2, LaX       LaX, 1 process     btp TP1, LaX
     pp: 1 process                   btp TP1            PP2                btp PP2, 1F1B
         TP2 btp                     btp TP2            DP2                btp DP2
 
@@ -27,7 +28,7 @@ receives per step between two stages) are put beside :func:`scale_model.p2p_byte
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from boost_compile.bench import hardware, pp, scale_model, tp
@@ -44,7 +45,7 @@ class Config:
 
     bench: str
     label: str
-    family: str  # "dense" or "cola": which preset of the size
+    family: str  # "dense", "cola" or "lax": which preset of the size (lax: the scale model's arch)
     system: str  # one of scale_model.SYSTEMS
     tp: int = 1
     pp: int = 1
@@ -57,6 +58,11 @@ TP_CONFIGS = (
     Config("tp", tp.BTP, "cola", "btp", tp=2),
     Config("tp", tp.SINGLE["dense"], "dense", "full-rank"),
     Config("tp", tp.SINGLE["cola"], "cola", "btp"),
+)
+#: what ``boost-bench tp --lax`` adds
+LAX_TP_CONFIGS = (
+    Config("tp", tp.LAX_BTP, "lax", "btp", tp=2),
+    Config("tp", tp.SINGLE["lax"], "lax", "btp"),
 )
 PP_CONFIGS = tuple(
     Config("pp", label, "cola", "btp", tp=t, pp=p, dp=d) for label, (t, p, d) in pp.LAYOUTS.items()
@@ -107,7 +113,8 @@ def configurations(params: dict[str, dict[str, Any]]) -> list[tuple[Config, scal
     for bench, configs in (("tp", TP_CONFIGS), ("pp", PP_CONFIGS)):
         if bench in params:
             shape, wl = shape_for(params[bench]["size"], params[bench]["vocab"]), workload(params[bench])
-            out += [(c, shape, wl) for c in configs]
+            configs += LAX_TP_CONFIGS if params[bench].get("lax") else ()
+            out += [(c, replace(shape, arch="lax") if c.family == "lax" else shape, wl) for c in configs]
     return out
 
 

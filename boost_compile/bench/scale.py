@@ -3,8 +3,9 @@
 The model (:mod:`boost_compile.bench.scale_model`, with the constants of a
 hardware file, :mod:`boost_compile.bench.hardware`) predicts every row of
 BOOST.md section 6 (:data:`PUBLISHED`, always with the vocabulary-parallel head),
-every shape at TP 1-8 (the head of ``--head``), and both head modes at 7B
-(vocabulary 32,000, TP 1-8). ``--micro-batches`` sets the pipeline's micro-batches.
+every shape at TP 1-8 (the head of ``--head``), both head modes at 7B
+(vocabulary 32,000, TP 1-8), and the architectures BOOST trains at 7B TP4 (plain
+low-rank, CoLA, LaX; :mod:`boost_compile.bench.architectures`). ``--micro-batches`` sets the pipeline's micro-batches.
 With a measured hardware file (``--hardware cpu``) it puts the model beside the
 steps of ``boost-bench tp`` and ``pp`` instead (:mod:`boost_compile.bench.compare`).
 
@@ -22,7 +23,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from boost_compile.bench import compare
+from boost_compile.bench import architectures, compare
 from boost_compile.bench.hardware import (
     DEFAULT_HARDWARE,
     HARDWARE_FIELDS,
@@ -179,9 +180,11 @@ def render(
     grid: list[dict],
     heads: Sequence[dict] = (),
     head: str = DEFAULT_HEAD,
+    archs: Sequence[dict] = (),
 ) -> str:
     """The markdown report: the published rows with errors, a summary, the whole grid (with
-    ``head``), then the two head modes side by side (``heads``, from :func:`head_comparison`)."""
+    ``head``), the two head modes side by side (``heads``, from :func:`head_comparison`), then
+    the architectures (``archs``, from :func:`architectures.architecture_comparison`)."""
     lines = [
         f"Analytic scale model on {hw.name}: bf16, seq {wl.seq} x batch {wl.batch}, forward + backward + AdamW; "
         f"pipelines run {wl.micro_batches} micro-batch(es). Times in s; comm GB = all-reduce (and send/recv) "
@@ -273,6 +276,8 @@ def render(
                 f"| {h['system']} | {h['tp']} | {rep['iteration_s']:.3f} | {vp['iteration_s']:.3f} "
                 f"| {h['ratio']:.3f}x | {rep['head_share']:.1%} | {vp['head_share']:.1%} |"
             )
+    if archs:
+        lines += ["", *architectures.render(archs, hw.name)]
     return "\n".join(lines) + "\n"
 
 
@@ -325,6 +330,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
     rows = published_comparison(hw, wl)
     grid = scale_grid(hw, wl, head=head)
     heads = head_comparison(hw, wl)
+    archs = architectures.architecture_comparison(hw, wl)
     data = {
         "hardware": {
             "name": hw.name,
@@ -339,8 +345,9 @@ def run(args: argparse.Namespace) -> tuple[str, dict]:
         "published": rows,
         "grid": grid,
         "head_comparison": heads,
+        "architectures": archs,
     }
-    return render(hw, wl, rows, grid, heads, head), data
+    return render(hw, wl, rows, grid, heads, head, archs), data
 
 
 def comparison(args: argparse.Namespace, hw: Hardware) -> str:

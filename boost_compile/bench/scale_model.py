@@ -20,6 +20,11 @@ time spent communicating, for three systems:
   4 collectives per layer and direction; GEMMs, attention and elementwise work
   divided by p, except the SiLU on the all-reduced [T, r] (run on every rank).
 
+The low-rank model of vanilla and btp is ``Shape.arch``: CoLA (default), plain low-rank
+(no SiLU) or LaX (CoLA whose every latent also adds the same projection's latent of the
+block before: one more [T, r] add per projection, under btp on the whole latent; no GEMM,
+parameter or collective more, the latent being whole on every rank after its all-reduce).
+
 Equations (per rank; T tokens of a micro-batch, e bytes per element):
 
     GEMM [M,K] x [K,N]   fwd FLOPs 2 M K N, bwd 2 x fwd (dX and dW: same shape set)
@@ -33,7 +38,8 @@ Equations (per rank; T tokens of a micro-batch, e bytes per element):
                          time = FLOPs * hd_padded / hd / (peak * eff_attn)
     elementwise          time = passes * elements * e / (HBM bandwidth * eff_elem)
                          passes fwd/bwd: RMSNorm 2/3, residual add 3/3, RoPE 2/2 (q, k),
-                         SwiGLU 3/5 on [T, d_ff], CoLA SiLU 2/3 on [T, r]; vanilla adds the
+                         SwiGLU 3/5 on [T, d_ff], CoLA SiLU 2/3 on [T, r], LaX's crossing add
+                         3/3 on [T, r] (backward: the latent's two gradients summed); vanilla adds the
                          q/k/v and gate/up input gradients (0/3 on 3 x [T, d]); btp rescales
                          the [T, 5r] outputs of the grouped down factors by the global rms
                          (2/3, only when p > 1) and concatenates their gradients (0/2)
@@ -101,6 +107,8 @@ from boost_compile.bench.formulas import PAPER_SHAPES, ring_bytes_per_rank
 from boost_compile.bench.hardware import Hardware, load_hardware
 
 SYSTEMS = ("full-rank", "vanilla", "btp")
+#: the low-rank model of vanilla and btp (``Shape.arch``): plain low-rank, CoLA, LaX
+ARCHITECTURES = ("lowrank", "cola", "lax")
 #: how the output head and loss run under TP: sharded on the vocabulary, or whole on every rank
 HEADS = ("vocab_parallel", "replicated")
 DEFAULT_HEAD = "vocab_parallel"
@@ -115,6 +123,7 @@ PASSES = MappingProxyType(
         "rope": (2, 2),
         "swiglu": (3, 5),
         "silu": (2, 3),
+        "cross": (3, 3),
         "rms_rescale": (2, 3),
         "grad_sum": (0, 3),
         "concat": (0, 2),
@@ -142,7 +151,7 @@ def _split(size: int, parts: int) -> int:
 
 @dataclass(frozen=True)
 class Shape:
-    """A Llama shape; its CoLA variant puts ``rank`` = d / 4 in every projection."""
+    """A Llama shape; its low-rank variant (``arch``, CoLA by default) puts ``rank`` = d / 4 in every projection."""
 
     name: str
     d: int
@@ -153,6 +162,11 @@ class Shape:
     #: "rmsnorm" (Llama), or "layernorm": priced as RMSNorm's element passes, and under btp its
     #: statistics ride in the down factors' all-reduces (see ``layer_collectives``)
     norm: str = "rmsnorm"
+    arch: str = "cola"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown arch {self.arch!r}; one of {', '.join(ARCHITECTURES)}")
 
     @property
     def rank(self) -> int:
@@ -311,11 +325,12 @@ def layer_elementwise_bytes(
     """HBM bytes of one layer's memory-bound ops on one rank, forward + backward.
 
     Widths per rank: full-rank shards RoPE (local heads) and SwiGLU (d_ff/p), not the
-    norms or residual adds; vanilla shards only the SiLU (on [T, r/p]); btp shards the
-    stream (d/p), heads and d_ff, but runs the SiLU on the all-reduced [T, r].
+    norms or residual adds; vanilla shards only the SiLU and LaX's add (on [T, r/p]); btp
+    shards the stream (d/p), heads and d_ff, but runs them on the all-reduced [T, r].
     """
     _check_system(system)
     d, ff, r = shape.d, shape.d_ff, shape.rank
+    silu, cross = shape.arch != "lowrank", shape.arch == "lax"  # per projection: one [T, r] op each
     heads_w = attention_heads(system, shape, p) * shape.head_dim
     if system == "full-rank":
         widths = {"rmsnorm": 2 * d, "residual": 2 * d, "rope": 2 * heads_w, "swiglu": _split(ff, p)}
@@ -325,7 +340,8 @@ def layer_elementwise_bytes(
             "residual": 2 * d,
             "rope": 2 * d,
             "swiglu": ff,
-            "silu": 7 * _split(r, p),
+            "silu": 7 * _split(r, p) * silu,
+            "cross": 7 * _split(r, p) * cross,
             # q/k/v and gate/up are separate chunks: their input gradients are added
             "grad_sum": 3 * d,
         }
@@ -336,7 +352,8 @@ def layer_elementwise_bytes(
             "residual": 2 * dl,
             "rope": 2 * heads_w,
             "swiglu": _split(ff, p),
-            "silu": 7 * r,
+            "silu": 7 * r * silu,
+            "cross": 7 * r * cross,
             # online RMSNorm: the all-reduced [T, 3r] and [T, 2r] divided by the global rms
             "rms_rescale": 5 * r if p > 1 else 0,
             # grouped down factors: the [T, 3r] and [T, 2r] gradients are concatenated

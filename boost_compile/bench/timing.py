@@ -28,6 +28,11 @@ def preset_pair(size: str) -> tuple[str, str]:
     return f"llama-{size}", f"cola-{size}"
 
 
+def lax_preset(size: str) -> str:
+    """The LaX preset of one size (the CoLA preset's shape, its latents crossing between blocks)."""
+    return "tiny-lax" if size == "tiny" else f"lax-{size}"
+
+
 def build_model(preset: str, seq: int, vocab: int | None, device: str = "cpu", dtype: torch.dtype = torch.float32,
                 **overrides: Any) -> Llama:
     """The preset's model, seeded, with room for ``seq`` tokens and an optional smaller vocabulary."""

@@ -1,6 +1,6 @@
 """``boost-bench tp``: TP=2 on CPU (two gloo processes), one run, three TP variants and two 1-process baselines side by side.
 
-    boost-bench tp [--size 60m] [--seq 1024] [--batch 4] [--vocab 256] [--repeats 5] [--inner inductor] [--profile]
+    boost-bench tp [--size 60m] [--seq 1024] [--batch 4] [--vocab 256] [--repeats 5] [--inner inductor] [--profile] [--lax]
 
 The dense model under the megatron plan, the CoLA model under PyTorch's DTensor
 plan ("vanilla", what ``parallelize_module`` with Colwise/RowwiseParallel on each
@@ -20,6 +20,10 @@ the 1-process step of its family (perfect scaling over two processes).
 The default batch of 4 sequences is BOOST.md's (section 6); at batch 1 the
 per-collective latency of gloo weighs more (btp issues about twice as many,
 smaller, collectives as megatron).
+
+``--lax`` adds the LaX model (``lax-SIZE``, ``tiny-lax`` at tiny: CoLA whose every
+latent also receives the same projection's latent of the previous block) under btp
+and unparallelized, beside CoLA's, and the ratios LaX / CoLA.
 
 ``--profile`` compiles with Inductor's kernel profiling hooks and, after the
 timed steps, profiles one more step of each TP variant on rank 0 (rank 1 runs
@@ -41,7 +45,7 @@ import torch
 
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis.fx_utils import in_blocks
-from boost_compile.bench import profile
+from boost_compile.bench import profile, timing
 from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, Target, bar_chart
 from boost_compile.models.llama import NORMS
@@ -54,8 +58,27 @@ VARIANTS = [
 BTP = "CoLA, btp"
 MEGATRON = "dense, megatron"
 VANILLA = "CoLA, vanilla (DTensor)"
+LAX_BTP = "LaX, btp"
+#: ``--lax``: the LaX model under btp, beside CoLA's
+LAX_VARIANTS = [(LAX_BTP, "lax", "btp")]
 #: family -> its unparallelized variant, timed beside the TP ones (each rank runs it whole)
-SINGLE = {"dense": "dense, 1 process", "cola": "CoLA, 1 process"}
+SINGLE = {"dense": "dense, 1 process", "cola": "CoLA, 1 process", "lax": "LaX, 1 process"}
+
+
+def run_variants(lax: bool = False) -> list[tuple[str, str, str]]:
+    """(label, family, plan) of the TP variants of one run: :data:`VARIANTS`, and LaX's with ``lax``."""
+    return VARIANTS + (LAX_VARIANTS if lax else [])
+
+
+def run_singles(lax: bool = False) -> dict[str, str]:
+    """family -> label of the 1-process variants of one run (LaX's only with ``lax``)."""
+    return {family: label for family, label in SINGLE.items() if lax or family != "lax"}
+
+
+def run_presets(size: str, lax: bool = False) -> dict[str, str]:
+    """family -> preset of one run at ``size``."""
+    out = dict(zip(("dense", "cola"), timing.preset_pair(size), strict=True))
+    return {**out, "lax": timing.lax_preset(size)} if lax else out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="profile one more step of each TP variant on rank 0: time by category")
     p.add_argument("--norm", default="rmsnorm", choices=NORMS,
                    help="the models' norms: Llama's RMSNorm, or LayerNorm with a bias (btp: online LayerNorm)")
+    p.add_argument("--lax", action="store_true",
+                   help="also the LaX model (lax-SIZE, tiny-lax at tiny) under btp and in 1 process, beside CoLA")
 
 
 def _setup(rank: int, world: int, store: str, kernel_profile: bool) -> int:
@@ -162,14 +187,14 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
 
     import boost_compile as bc
     from boost_compile.backend import Recorder
-    from boost_compile.bench import timing
 
     threads = _setup(rank, world, store, args["profile"])
+    lax = args["lax"]
     with _compile_settings(args["profile"]):
-        presets = dict(zip(("dense", "cola"), timing.preset_pair(args["size"]), strict=True))
+        family_presets = run_presets(args["size"], lax)
         raw, steps, records, layers, heads, dims = {}, {}, {}, {}, {}, {}
-        for label, family, plan in VARIANTS:
-            model = timing.build_model(presets[family], args["seq"], args["vocab"], norm=args["norm"])
+        for label, family, plan in run_variants(lax):
+            model = timing.build_model(family_presets[family], args["seq"], args["vocab"], norm=args["norm"])
             tokens = timing.tokens_for(model, args["batch"], args["seq"])
             report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=plan, vocab_parallel=True)
             records[label] = Recorder(keep_view=False)
@@ -178,19 +203,19 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
                 raw[label] = _under_loss_parallel(raw[label])
             steps[label], layers[label], heads[label] = _synced(raw[label]), model.config.n_layers, _head_width(model, report)
             dims[label] = model.config.dim
-        for family, label in SINGLE.items():
-            model = timing.build_model(presets[family], args["seq"], args["vocab"], norm=args["norm"])
+        for family, label in run_singles(lax).items():
+            model = timing.build_model(family_presets[family], args["seq"], args["vocab"], norm=args["norm"])
             tokens = timing.tokens_for(model, args["batch"], args["seq"])
             steps[label] = _synced(_compiled_step(model, tokens, args["inner"], Recorder(keep_view=False)))
         times = timing.round_robin(steps, args["repeats"], args["warmup"])
         tokens_per_step = args["batch"] * args["seq"]
         profiles = _profile_variants(rank, raw, heads, dims, tokens_per_step) if args["profile"] else {}
-        variants = {}
-        for label, family, plan in VARIANTS:
+        rows = {}
+        for label, family, plan in run_variants(lax):
             colls = _census(records[label])
-            variants[label] = {
+            rows[label] = {
                 "plan": plan,
-                "preset": presets[family],
+                "preset": family_presets[family],
                 "step_s": statistics.median(times[label]),
                 "times_s": times[label],
                 "tokens": tokens_per_step,
@@ -202,13 +227,13 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
                 "block_bytes": {k: sum(c["bytes"] or 0 for c in v if in_blocks(c.get("module") or "")) for k, v in colls.items()},
             }
         single = {
-            label: {"preset": presets[family], "step_s": statistics.median(times[label]), "times_s": times[label],
+            label: {"preset": family_presets[family], "step_s": statistics.median(times[label]), "times_s": times[label],
                     "tokens": tokens_per_step}
-            for family, label in SINGLE.items()
+            for family, label in run_singles(lax).items()
         }
         if rank == 0:
             with open(out_path, "w") as f:
-                json.dump({"threads": threads, "vocab": model.config.vocab_size, "variants": variants, "single": single,
+                json.dump({"threads": threads, "vocab": model.config.vocab_size, "variants": rows, "single": single,
                            "profile": profiles}, f)
         dist.destroy_process_group()
 
@@ -218,14 +243,16 @@ def scaling(variants: dict[str, dict[str, Any]], single: dict[str, dict[str, Any
 
     Perfect scaling over two processes is half the 1-process step of the
     variant's family; ``x_of_perfect`` is the TP step over that (1: perfect).
+    With LaX's variants (``--lax``), also LaX's steps over CoLA's.
     """
-    for label, family, _plan in VARIANTS:
+    lax = LAX_BTP in variants
+    for label, family, _plan in run_variants(lax):
         r, base = variants[label], single[SINGLE[family]]["step_s"]
         r.update(single=SINGLE[family], single_s=base, perfect_s=base / 2, x_of_perfect=r["step_s"] / (base / 2))
     dense, cola = single[SINGLE["dense"]]["step_s"], single[SINGLE["cola"]]["step_s"]
     btp = variants[BTP]["step_s"]
     over_megatron = variants[MEGATRON]["step_s"] / btp
-    return {
+    summary = {
         "single_cola_over_dense": cola / dense,
         "single_dense_over_cola": dense / cola,
         "btp_speedup_over_megatron": over_megatron,
@@ -233,6 +260,13 @@ def scaling(variants: dict[str, dict[str, Any]], single: dict[str, dict[str, Any
         "btp_speedup_over_vanilla": variants[VANILLA]["step_s"] / btp,
         "btp_x_of_perfect": variants[BTP]["x_of_perfect"],
     }
+    if lax:
+        summary |= {
+            "lax_btp_over_cola_btp": variants[LAX_BTP]["step_s"] / btp,
+            "single_lax_over_cola": single[SINGLE["lax"]]["step_s"] / cola,
+            "lax_btp_x_of_perfect": variants[LAX_BTP]["x_of_perfect"],
+        }
+    return summary
 
 
 def _variants_table(variants: dict[str, dict[str, Any]]) -> list[str]:
@@ -281,6 +315,12 @@ def _scaling_table(variants: dict[str, dict[str, Any]], single: dict[str, dict[s
          f"| {s['btp_speedup_over_megatron_per_single_ratio']:.3f} |"),
         f"| btp speed-up over CoLA vanilla | {s['btp_speedup_over_vanilla']:.2f}x |",
     ]
+    if "lax_btp_over_cola_btp" in s:
+        lines += [
+            f"| LaX btp step / CoLA btp step | {s['lax_btp_over_cola_btp']:.3f} |",
+            f"| 1 process: LaX step / CoLA step | {s['single_lax_over_cola']:.3f} |",
+            f"| LaX btp x of perfect scaling | {s['lax_btp_x_of_perfect']:.2f} |",
+        ]
     return lines
 
 
@@ -319,7 +359,7 @@ def run(args: argparse.Namespace) -> Result:
 
     folder = tempfile.mkdtemp(prefix="boost_bench_tp_")
     store, out = os.path.join(folder, "store"), os.path.join(folder, "results.json")
-    params = {k: getattr(args, k) for k in ("size", "seq", "batch", "vocab", "repeats", "warmup", "inner", "profile", "norm")}
+    params = {k: getattr(args, k) for k in ("size", "seq", "batch", "vocab", "repeats", "warmup", "inner", "profile", "norm", "lax")}
     mp.spawn(_worker, args=(2, store, params, out), nprocs=2, join=True)
     with open(out) as f:
         data = json.load(f)
@@ -328,7 +368,8 @@ def run(args: argparse.Namespace) -> Result:
         raise RuntimeError("a variant's compiled graphs recorded no collective: the census did not run")
     vocab = f"vocab {data['vocab']}" + (f" (--vocab {args.vocab})" if args.vocab else " (the presets', --vocab 0)")
     lines = [
-        f"TP=2 on CPU (gloo, {data['threads']} thread(s) per process), {variants[MEGATRON]['preset']} vs {variants[BTP]['preset']}, "
+        f"TP=2 on CPU (gloo, {data['threads']} thread(s) per process), {variants[MEGATRON]['preset']} vs {variants[BTP]['preset']}"
+        f"{' and ' + variants[LAX_BTP]['preset'] if LAX_BTP in variants else ''}, "
         f"batch {args.batch} x seq {args.seq}, {vocab}, {args.norm}, boost with inner {args.inner}"
         f"{' (Inductor kernel profiling on, --profile)' if args.profile else ''}; forward+backward, "
         f"variants round-robin, wall clock, median of {args.repeats} steps after {args.warmup} warm-up steps; "

@@ -186,3 +186,36 @@ def test_tp_targets_for_60m_at_seq_1024_at_any_vocab():
         # the earlier targets are kept, vanilla's at the issue's higher bound (1.8, was 1.4)
         assert ("btp speed-up over dense megatron", 1.5) in got and ("btp speed-up over CoLA vanilla", 1.4) not in got and len(got) == 6
     assert tp.targets(SimpleNamespace(size="60m", seq=512, vocab=256), variants, summary) == []
+
+def test_tp_lax_option_adds_laxs_rows_and_ratios():
+    """``boost-bench tp --lax``: LaX under btp and in 1 process beside CoLA (the run itself needs btp to
+    accept LaX; here the option, the variant lists and the ratios on made-up steps)."""
+    parser = cli.build_parser()
+    assert parser.parse_args(["tp", "--lax"]).lax and not parser.parse_args(["tp"]).lax
+    assert tp.run_variants() == tp.VARIANTS and tp.run_variants(lax=True) == [*tp.VARIANTS, ("LaX, btp", "lax", "btp")]
+    assert list(tp.run_singles().values()) == ["dense, 1 process", "CoLA, 1 process"]
+    assert tp.run_singles(lax=True)["lax"] == "LaX, 1 process"
+    assert tp.run_presets("60m", lax=True) == {"dense": "llama-60m", "cola": "cola-60m", "lax": "lax-60m"}
+    assert tp.run_presets("tiny", lax=True)["lax"] == "tiny-lax" and "lax" not in tp.run_presets("tiny")
+
+    def variant(step_s: float) -> dict:
+        return {"step_s": step_s, "times_s": [step_s], "tokens": 4096, "bytes": {"forward": 90, "backward": 90},
+                "collectives": {"forward": 1, "backward": 1}}
+
+    variants = {"dense, megatron": variant(3.0), "CoLA, vanilla (DTensor)": variant(4.0), "CoLA, btp": variant(2.0),
+                "LaX, btp": variant(2.2)}
+    single = {"dense, 1 process": {"step_s": 4.5, "times_s": [4.5]}, "CoLA, 1 process": {"step_s": 3.0, "times_s": [3.0]},
+              "LaX, 1 process": {"step_s": 3.3, "times_s": [3.3]}}
+    tp._variants_table(variants)
+    summary = tp.scaling(variants, single)
+    assert variants["LaX, btp"]["single"] == "LaX, 1 process"
+    assert variants["LaX, btp"]["x_of_perfect"] == pytest.approx(2.2 / 1.65)
+    assert summary["lax_btp_over_cola_btp"] == pytest.approx(1.1)
+    assert summary["single_lax_over_cola"] == pytest.approx(1.1)
+    assert summary["btp_x_of_perfect"] == pytest.approx(2.0 / 1.5)  # CoLA's, as without --lax
+    lines = tp._scaling_table(variants, single, summary)
+    assert "| LaX btp step / CoLA btp step | 1.100 |" in lines and "| LaX btp x of perfect scaling | 1.33 |" in lines
+    args = SimpleNamespace(size="60m", seq=1024, vocab=256)
+    assert len(tp.targets(args, variants, summary)) == 6  # the issue's targets, LaX adds none
+    del variants["LaX, btp"], single["LaX, 1 process"]
+    assert "lax_btp_over_cola_btp" not in tp.scaling(variants, single)

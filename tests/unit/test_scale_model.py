@@ -691,3 +691,77 @@ def test_cpu_comparison_needs_runs_and_keeps_the_published_mode(tmp_path):
     # --compare published: the BOOST.md tables, whatever the file
     cli.main([*argv, "--compare", "published", "--out", str(tmp_path / "c")])
     assert load(str(tmp_path / "c"), "scale").data["published"]
+
+
+# ----------------------------------------------------------------------------- architectures: plain low-rank, CoLA, LaX
+
+
+def test_architectures_differ_only_in_the_latents_elementwise_work():
+    """LaX = CoLA + one [T, r] add per projection (3 passes forward, 3 backward), whole under btp,
+    r/p-sharded under vanilla; plain low-rank = CoLA without the SiLU (2 + 3 passes)."""
+    tokens, e = 10, 2
+    lax, plain = dataclasses.replace(TOY, arch="lax"), dataclasses.replace(TOY, arch="lowrank")
+    for system, width in (("btp", 7 * 16), ("vanilla", 7 * 8)):
+        cola_bytes = scale_model.layer_elementwise_bytes(system, TOY, tokens, 2)
+        assert scale_model.layer_elementwise_bytes(system, lax, tokens, 2) - cola_bytes == width * 6 * tokens * e
+        assert cola_bytes - scale_model.layer_elementwise_bytes(system, plain, tokens, 2) == width * 5 * tokens * e
+        for shape in (lax, plain):
+            assert scale_model.layer_collectives(system, shape, tokens, e, 2) == scale_model.layer_collectives(system, TOY, tokens, e, 2)
+            assert scale_model.layer_gemms(system, shape, tokens, 2) == scale_model.layer_gemms(system, TOY, tokens, 2)
+            assert scale_model.layer_params(system, shape, 2) == scale_model.layer_params(system, TOY, 2)
+    # the dense model has no latents: the same whatever arch says
+    dense = scale_model.layer_elementwise_bytes("full-rank", TOY, tokens, 2)
+    assert scale_model.layer_elementwise_bytes("full-rank", lax, tokens, 2) == dense
+    with pytest.raises(ValueError, match="unknown arch 'svd'; one of lowrank, cola, lax"):
+        Shape("x", 64, 128, 1, 4, arch="svd")
+
+
+def test_lax_iteration_is_colas_plus_the_adds():
+    from boost_compile.bench import architectures
+
+    wl = Workload(seq=8, batch=2)
+    lax = dataclasses.replace(TOY, arch="lax")
+    cola_pred, lax_pred = (scale_model.predict(s, "btp", 2, 1, TOY_HW, wl) for s in (TOY, lax))
+    adds = 4 * scale_model.elementwise_time(7 * 16 * 6 * 16 * 2, TOY_HW)  # 4 layers, 16 tokens, bf16
+    assert lax_pred.iteration_s - cola_pred.iteration_s == pytest.approx(adds)
+    assert (lax_pred.comm_gb, lax_pred.collectives, lax_pred.gemm_s) == (cola_pred.comm_gb, cola_pred.collectives, cola_pred.gemm_s)
+    # saved per layer under low-rank checkpointing: 7 [T, r] + [T, d/p], LaX too (its latents are
+    # recomputed from the saved down outputs, as test_activation_checkpoint counts)
+    assert architectures.saved_bytes_per_layer(TOY, 16, 2) == (7 * 16 * 16 + 16 * 32) * 2
+    assert architectures.saved_bytes_per_layer(lax, 16, 2) == architectures.saved_bytes_per_layer(TOY, 16, 2)
+
+
+def test_architecture_table_beside_boost_md():
+    """7B TP4 (A100): plain low-rank < CoLA < LaX < full-rank, as published (0.70 / 0.72 / 0.75 / 1.06);
+    each low-rank time relative to CoLA's within 2% of the published ratio."""
+    from boost_compile.bench import architectures
+
+    rows = architectures.architecture_comparison(hardware.load_hardware("a100-80gb-nvlink"), Workload())
+    by = {r["arch"]: r for r in rows}
+    assert list(by) == ["full-rank", "lowrank", "cola", "lax"]
+    assert [by[a]["published_s"] for a in by] == [1.06, 0.70, 0.72, 0.75]
+    assert by["lowrank"]["predicted_s"] < by["cola"]["predicted_s"] < by["lax"]["predicted_s"] < by["full-rank"]["predicted_s"]
+    for arch in ("lowrank", "lax"):
+        assert by[arch]["x_cola"] == pytest.approx(by[arch]["published_x_cola"], rel=0.02)
+        assert by[arch]["comm_gb"] == by["cola"]["comm_gb"]
+    assert by["full-rank"]["saved_bytes_per_layer"] is None
+    assert by["lax"]["saved_bytes_per_layer"] == by["cola"]["saved_bytes_per_layer"] == by["lowrank"]["saved_bytes_per_layer"]
+    parser = argparse.ArgumentParser()
+    scale.add_arguments(parser)
+    text, data = scale.run(parser.parse_args([]))
+    assert data["architectures"] == rows
+    assert "The architectures at 7B TP4 (PP 1)" in text and "| LaX | " in text and "| plain low-rank | " in text
+
+
+def test_cpu_comparison_prices_a_lax_run(tmp_path):
+    """``boost-bench tp --lax`` saves two LaX rows: the comparison prices them with the LaX shape."""
+    from boost_compile.bench import compare, tp
+
+    params = {"tp": {"size": "60m", "seq": 128, "batch": 4, "vocab": 256, "lax": True}}
+    configs = {c.label: (c, shape) for c, shape, _wl in compare.configurations(params)}
+    assert list(configs)[-2:] == [tp.LAX_BTP, tp.SINGLE["lax"]]
+    assert configs[tp.LAX_BTP][0].tp == 2 and configs[tp.SINGLE["lax"]][0].tp == 1
+    assert {label: shape.arch for label, (_c, shape) in configs.items()} == {
+        **{label: "cola" for label in configs if "LaX" not in label}, tp.LAX_BTP: "lax", tp.SINGLE["lax"]: "lax"}
+    assert [c.label for c, _s, _w in compare.configurations({"tp": {**params["tp"], "lax": False}})] == [
+        c.label for c in compare.TP_CONFIGS]
