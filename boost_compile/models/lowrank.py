@@ -13,6 +13,7 @@ projection's latent of the previous block, ``linear -> silu -> add -> linear``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -139,18 +140,10 @@ class LaxLinear(LowRankLinear):
     (``activation=None``: the crossing on a plain low-rank layer).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        rank: int,
-        *,
-        bias: bool = False,
-        activation: str | None = "silu",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(in_features, out_features, rank, bias=bias, activation=activation, device=device, dtype=dtype)
+    def __init__(self, in_features: int, out_features: int, rank: int, **kwargs: Any) -> None:
+        """``LowRankLinear``'s arguments, with ``activation="silu"`` (CoLA's) unless given."""
+        kwargs.setdefault("activation", "silu")
+        super().__init__(in_features, out_features, rank, **kwargs)
 
     def forward(self, x: Tensor, prev: Tensor | None = None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         h = self.down(x)
