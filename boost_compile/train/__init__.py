@@ -4,6 +4,9 @@
     boost-train model=cola-60m trainer.steps=1000 passes=inductor
     boost-train -m passes=boost,inductor factorize.rank_ratio=0.125,0.25   # a sweep
     torchrun --nproc-per-node 2 -m boost_compile.train parallel=dp2       # data parallel
+    boost-train -m hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2 parallel=tp2 \
+        factorize.rank_ratio=0.125,0.25                                  # a sweep of TP2 jobs
+    boost-train -m experiment=optuna_lr_rank                             # a search (optuna)
 
 The config is ``hydra_conf/train.yaml`` over the schema in
 :mod:`boost_compile.train.config`. Each run gets a folder (``runs/<date>/<time>``,
@@ -21,6 +24,7 @@ the compiled model in DDP over the ``dp`` dimension (README: why DDP).
 One job per module:
 
 - :mod:`~boost_compile.train.app`: the Hydra app (:func:`main`), :func:`run`, sweep summaries
+- :mod:`~boost_compile.train.launchers`: jobs of Hydra's submitit launcher (ranks from its job environment), optional plugins
 - :mod:`~boost_compile.train.config`: the config schema (its choices checked as it is built)
 - :mod:`~boost_compile.train.validate`: the checks the schema cannot express, before anything starts
 - :mod:`~boost_compile.train.data`: the corpus (``sources``), the token cache (``cache``), per-rank loaders (``packing``)

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ import torch.distributed as dist
 from boost_compile.config import ConfigError
 from boost_compile.train.checkpoint import resume_candidates
 from boost_compile.train.config import config_dir, register_configs
+from boost_compile.train.launchers import adopt_submitit_environment, check_plugins, quiet_worker_logging
 from boost_compile.train.loop import Trainer
-from boost_compile.train.metrics import SUMMARY_FILE, read_summary
+from boost_compile.train.metrics import SUMMARY_FILE, read_summary, write_summary
 from boost_compile.train.parallel import setup_distributed
 from boost_compile.train.validate import env_world_size, validate
 
@@ -38,6 +40,7 @@ SUMMARY_COLUMNS = (
     "tokens_per_s",
     "peak_mem_mib",
     "total_s",
+    "error",
 )
 
 
@@ -98,22 +101,59 @@ def _cell(key: str, value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def best_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The completed job with the lowest validation loss (what a search minimises), if any has one."""
+    scored = [r for r in rows if r.get("status") == "completed" and isinstance(r.get("val_loss"), (int, float))]
+    return min(scored, key=lambda r: r["val_loss"]) if scored else None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` at once: a reader never sees half a table."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def write_sweep_summary(sweep_dir: str | Path) -> str:
-    """Write ``summary.csv`` and ``summary.md`` for a sweep; returns the markdown table."""
+    """Write ``summary.csv`` and ``summary.md`` for a sweep; returns the markdown table (and the best job)."""
     sweep_dir = Path(sweep_dir)
     rows = summary_rows(sweep_dir)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=SUMMARY_COLUMNS, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    (sweep_dir / "summary.csv").write_text(buffer.getvalue())
-    header = ["job", "config", "status", "steps", "final loss", "val loss", "tokens/s", "peak mem (MiB)", "time (s)"]
+    _replace(sweep_dir / "summary.csv", buffer.getvalue())
+    header = ["job", "config", "status", "steps", "final loss", "val loss", "tokens/s", "peak mem (MiB)", "time (s)", "error"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(k, row[k]) for k in SUMMARY_COLUMNS) + " |")
     table = "\n".join(lines) + "\n"
-    (sweep_dir / "summary.md").write_text(f"# sweep {sweep_dir}\n\n{table}")
+    best = best_row(rows)
+    if best is not None:
+        table += f"\nbest val loss: {best['val_loss']:.4f}, job {best['job']} ({best['config']})\n"
+    _replace(sweep_dir / "summary.md", f"# sweep {sweep_dir}\n\n{table}")
     return table
+
+
+def update_sweep_summary(sweep_dir: str | Path) -> None:
+    """Rewrite the sweep's summary after one job, under a lock: jobs a launcher runs side by side
+    (submitit) each add their row, and a sweep that fails at its end still has every job's."""
+    import fcntl
+
+    sweep_dir = Path(sweep_dir)
+    with open(sweep_dir / ".summary.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        write_sweep_summary(sweep_dir)
+
+
+def write_failed_summary(run_dir: Path, overrides: Sequence[str], exc: BaseException) -> None:
+    """A job that raised gets a ``summary.json`` too (status ``failed`` and its error), so that its
+    sweep's table lists it; a run that wrote its own summary keeps it."""
+    path = run_dir / SUMMARY_FILE
+    if path.exists() or not run_dir.is_dir():
+        return
+    message = " ".join(str(exc).split()) or "(no message)"
+    write_summary(path, {"config": " ".join(overrides), "status": "failed", "error": f"{type(exc).__name__}: {message[:300]}"})
 
 
 try:
@@ -123,7 +163,15 @@ except ImportError:  # pragma: no cover - hydra-core is a dependency
 
 
 class SweepSummary(_HydraCallback):
-    """Hydra callback: after a ``-m`` sweep, tabulate every job (CSV and markdown)."""
+    """Hydra callback: a ``-m`` sweep's table of every job (CSV and markdown), rewritten as each
+    job ends (in the job's own process under submitit) and logged when the sweep ends."""
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) != 0 or str(config.hydra.mode) != "RunMode.MULTIRUN":
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            update_sweep_summary(sweep_dir)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) != 0:
@@ -138,19 +186,38 @@ class SweepSummary(_HydraCallback):
 # ----------------------------------------------------------------------------- entry point
 
 
-def _task(cfg: Any) -> dict[str, Any]:
+def _task(cfg: Any) -> float | None:
+    """The Hydra task: one run; returns its validation loss (what ``hydra/sweeper=optuna`` minimises),
+    None when it evaluated nothing.
+
+    A job of a sweep that fails raises, so that Hydra marks it failed and runs the others;
+    its ``summary.json`` says why. A single run refused by validation exits 2 with the reason.
+    """
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
+    multirun = str(hydra_cfg.mode) == "RunMode.MULTIRUN"
+    rank = adopt_submitit_environment()
+    if rank:
+        quiet_worker_logging(rank)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    overrides = list(hydra_cfg.overrides.task)
     try:
         _check_rerun_finds_the_run(cfg, HydraConfig.instance().cfg.hydra)
-        result = run(cfg, hydra_cfg.runtime.output_dir, overrides=list(hydra_cfg.overrides.task))
-    except ConfigError as exc:
-        print(f"boost-train: error: {exc}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        result = run(cfg, run_dir, overrides=overrides)
+    except Exception as exc:
+        if multirun and int(os.environ.get("RANK", "0")) == 0:
+            write_failed_summary(run_dir, overrides, exc)
+        if isinstance(exc, ConfigError) and not multirun:
+            print(f"boost-train: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        raise
+    finally:
+        if rank is not None and dist.is_initialized():
+            dist.destroy_process_group()  # submitit: this process may run another job
     if result["status"] == "stopped":
         raise SystemExit(128 + int(signal.Signals[result["signal"]]))
-    return result
+    return result.get("val_loss")
 
 
 def _check_rerun_finds_the_run(cfg: Any, hydra_node: Any) -> None:
@@ -177,6 +244,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    try:
+        check_plugins(sys.argv[1:])
+    except ConfigError as exc:
+        print(f"boost-train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    # our hydra/launcher/submitit_*.yaml carry the plugin's keys and are checked against its schema
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/submitit_\w+' is validated against ConfigStore schema")
     register_configs()
     if env_world_size() > 1 and int(os.environ.get("RANK", "0")) > 0:
         # only rank 0 writes the run folder's config and log; the others print warnings

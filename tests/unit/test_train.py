@@ -232,7 +232,7 @@ def test_multirun_writes_a_summary_table(tmp_path):
     for job in ("0", "1"):
         assert (sweep / job / "summary.json").exists() and (sweep / job / "metrics.jsonl").exists()
     lines = (sweep / "summary.csv").read_text().splitlines()
-    assert lines[0] == "job,config,status,steps,final_loss,val_loss,tokens_per_s,peak_mem_mib,total_s"
+    assert lines[0] == "job,config,status,steps,final_loss,val_loss,tokens_per_s,peak_mem_mib,total_s,error"
     assert len(lines) == 3 and "optim.lr=0.001" in lines[1] and "optim.lr=0.003" in lines[2]
     table = (sweep / "summary.md").read_text()
     assert "| job | config | status |" in table and table.count("| completed |") == 2
@@ -248,7 +248,8 @@ def test_sweep_summary_from_job_folders(tmp_path):
     table = write_sweep_summary(tmp_path)
     rows = (tmp_path / "summary.csv").read_text().splitlines()[1:]
     assert [r.split(",")[0] for r in rows] == ["0", "1", "10"]
-    assert "| 0 | x=0\\|y | completed | 5 | 3.2500 |  | 12,346 | 512 | 3.0 |" in table
+    assert "| 0 | x=0\\|y | completed | 5 | 3.2500 |  | 12,346 | 512 | 3.0 |  |" in table
+    assert "best val loss" not in table  # none of the jobs evaluated
 
 def test_to_train_config_accepts_plain_dicts():
     tc = to_train_config({"trainer": {"steps": 3}, "model": {"preset": "tiny-dense"}})
