@@ -280,7 +280,22 @@ def test_docs_train_lines_compose(where: str, command: str) -> None:
 
     from boost_compile.train.validate import to_train_config
 
-    to_train_config(cfg_of(*train_overrides(command)))
+    for overrides in sweep_jobs(train_overrides(command)):
+        to_train_config(cfg_of(*overrides))
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs a ``-m`` line sweeps, enough to check every value: ``key=a,b`` gives one job per
+    value (the other swept keys at their first value); a line without a sweep is one job."""
+    swept = [i for i, o in enumerate(overrides) if re.fullmatch(r"[\w./+~]+=[^()\[\]{}]*,[^()\[\]{}]*", o)]
+    if not swept:
+        return [overrides]
+    first = [o.split(",")[0] if i in swept else o for i, o in enumerate(overrides)]
+    jobs = []
+    for i in swept:
+        key, values = overrides[i].split("=", 1)
+        jobs += [[*first[:i], f"{key}={v}", *first[i + 1:]] for v in values.split(",")]
+    return jobs
 
 
 def test_docs_hold_train_lines() -> None:
