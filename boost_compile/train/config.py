@@ -312,6 +312,23 @@ class MetricsConfig:
     tensorboard: bool = False
     """Also write the metric rows as TensorBoard event files into ``<run folder>/tensorboard``
     (rank 0); needs the ``tensorboard`` package (``pip install 'boost-compile[tensorboard]'``)."""
+    wandb: bool = False
+    """Also log the metric rows to a Weights & Biases run (rank 0), its files in
+    ``<run folder>/wandb``; needs the ``wandb`` package (``pip install 'boost-compile[wandb]'``)."""
+    wandb_project: str = "boost-compile"
+    """The wandb project the run goes to."""
+    wandb_entity: str | None = None
+    """The wandb user or team (null: the account's default entity)."""
+    wandb_group: str | None = None
+    """The wandb group (null: the sweep folder in a ``-m`` sweep, so its jobs show together; none
+    for a single run)."""
+    wandb_mode: Annotated[str | None, Literal["online", "offline", "disabled", None]] = None
+    """``online``, ``offline`` (files only, ``wandb sync`` uploads them later) or ``disabled``;
+    null: ``WANDB_MODE`` when set, else ``offline`` without an API key (``WANDB_API_KEY`` or a
+    ``.netrc`` entry, as ``wandb login`` writes), else ``online``."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "metrics")
 
 
 @dataclass

@@ -37,6 +37,7 @@ from boost_compile.train.metrics import (
     Progress,
     count_restarts,
     plot_losses,
+    wandb_run,
     write_summary,
 )
 from boost_compile.train.model import fit_vocab
@@ -203,6 +204,7 @@ class Trainer:
         metrics = MetricsWriter(
             self.run_dir, enabled=dev.is_main, tensorboard=tc.metrics.tensorboard,
             purge_step=start + 1 if start or restart else None,
+            wandb=wandb_run(tc, self.run_dir, self.overrides) if dev.is_main else None,
         )
         if restart:
             self.restarts += 1
@@ -266,9 +268,12 @@ class Trainer:
                 ckpt.wait()  # the last asynchronous save is complete before the run reports it
                 if status == "completed" and history:
                     val_loss = self._evaluate(eval_fn, val_data, history[-1][0], metrics, progress)
+        except BaseException:
+            status = "failed"  # the wandb run is marked failed; the error goes on
+            raise
         finally:
             progress.close()
-            metrics.close()
+            metrics.close(failed=status == "failed")
         total_s = time.perf_counter() - begin
         return self._finish(history, val_loss, first_step_s, steady_s, total_s, memory.mib, status, stopper.signum, ckpt)
 

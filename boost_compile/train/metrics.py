@@ -6,20 +6,31 @@ evaluation, rank 0 appends; a run restarted in the same folder first writes a
 ``restart`` row, :func:`read_metrics` reads the history without the redone steps), :data:`SUMMARY_FILE` (the run's result) and
 :data:`PLOT_FILE` (train and val loss); with ``metrics.tensorboard=true`` also
 TensorBoard event files in :data:`TENSORBOARD_DIR` (the same rows as scalars,
-:data:`TENSORBOARD_TAGS`; :class:`MetricsWriter` writes both).
+:data:`TENSORBOARD_TAGS`); with ``metrics.wandb=true`` the same tags logged to a Weights &
+Biases run (:class:`WandbWriter`), its files in :data:`WANDB_DIR` (``offline-run-*/`` without an
+API key, :func:`wandb_mode`) and its id in :data:`WANDB_ID_FILE`, so that a run restarted in the
+folder continues it. :class:`MetricsWriter` writes to all of them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import netrc
 import os
 import sys
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
+
+from boost_compile.config import ConfigError
+from boost_compile.train.config import MetricsConfig, TrainConfig, field_choices
 
 log = logging.getLogger("boost_compile.train")
 
@@ -27,6 +38,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"  # wandb.init(dir=<run folder>) writes here
+WANDB_ID_FILE = f"{WANDB_DIR}/run_id"  # the wandb run of this folder, continued by a restart
+WANDB_HOST = "https://api.wandb.ai"
 
 # metrics.jsonl key -> TensorBoard scalar tag (the step is the row's "step")
 TENSORBOARD_TAGS = {
@@ -85,29 +99,211 @@ class TensorBoardWriter:
             self.writer = None
 
 
+# ----------------------------------------------------------------------------- Weights & Biases
+
+
+def wandb_has_credentials(env: Mapping[str, str] | None = None) -> bool:
+    """Whether wandb can log in without asking: ``WANDB_API_KEY`` (or an identity token file) set,
+    or an entry for wandb's host (``WANDB_BASE_URL``, else api.wandb.ai) in the ``.netrc`` file
+    (``NETRC``, else ``~/.netrc``) that ``wandb login`` writes."""
+    env = os.environ if env is None else env
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlsplit(env.get("WANDB_BASE_URL") or WANDB_HOST).netloc
+    path = Path(env.get("NETRC") or "~/.netrc").expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no file, or one wandb cannot read either
+        return False
+    return entry is not None and bool(entry[2])
+
+
+def wandb_mode(configured: str | None, env: Mapping[str, str] | None = None) -> str:
+    """The mode of the wandb run: ``metrics.wandb_mode``; when null ``WANDB_MODE`` (wandb's old
+    ``dryrun``/``run`` read as offline/online), else ``offline`` without credentials (no network
+    and no login prompt needed) and ``online`` with them."""
+    env = os.environ if env is None else env
+    choices = tuple(c for c in field_choices(MetricsConfig, "wandb_mode") if c is not None)
+    if configured is not None:
+        if configured not in choices:
+            raise ConfigError(f"metrics.wandb_mode={configured!r} is not valid; choose one of {', '.join(choices)} or null")
+        return configured
+    from_env = env.get("WANDB_MODE")
+    if from_env:
+        mode = {"dryrun": "offline", "run": "online"}.get(from_env, from_env)
+        if mode not in choices:
+            raise ConfigError(
+                f"WANDB_MODE={from_env!r} is not valid for metrics.wandb; choose one of {', '.join(choices)}, "
+                "or set metrics.wandb_mode"
+            )
+        return mode
+    return "online" if wandb_has_credentials(env) else "offline"
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """What :class:`WandbWriter` passes to ``wandb.init``."""
+
+    project: str
+    mode: str
+    name: str
+    config: dict[str, Any]
+    entity: str | None = None
+    group: str | None = None
+
+
+def wandb_run(tc: TrainConfig, run_dir: Path, overrides: Sequence[str]) -> WandbRun | None:
+    """The wandb run of a boost-train run in ``run_dir`` (None with ``metrics.wandb=false``).
+
+    Its name says what the run changed: Hydra's ``hydra.job.override_dirname`` (the command
+    line's overrides, ``key=value,...``), else ``overrides`` joined the same way, else the run
+    folder's name. Its config is the whole resolved training config. In a ``-m`` sweep its group
+    is the sweep folder unless ``metrics.wandb_group`` names one.
+    """
+    m = tc.metrics
+    if not m.wandb:
+        return None
+    override_dirname, sweep_dir = _hydra_job(run_dir)
+    return WandbRun(
+        project=m.wandb_project, mode=wandb_mode(m.wandb_mode), name=override_dirname or ",".join(overrides) or run_dir.name,
+        config=dataclasses.asdict(tc), entity=m.wandb_entity, group=m.wandb_group if m.wandb_group is not None else sweep_dir,
+    )
+
+
+def _hydra_job(run_dir: Path) -> tuple[str, str | None]:
+    """(``hydra.job.override_dirname``, the sweep folder in a ``-m`` sweep else None) of the Hydra
+    job whose output folder is ``run_dir``; ``("", None)`` outside a Hydra app
+    (:func:`~boost_compile.train.run` called directly) or for a job of another folder."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return "", None
+        hydra = HydraConfig.get()
+        if Path(str(hydra.runtime.output_dir)).resolve() != run_dir.resolve():
+            return "", None
+        sweep_dir = str(hydra.sweep.dir) if str(hydra.mode) == "RunMode.MULTIRUN" else None
+        return str(hydra.job.override_dirname), sweep_dir
+    except Exception:  # no Hydra, or a config without these keys
+        return "", None
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The id of ``run_dir``'s wandb run: the one in :data:`WANDB_ID_FILE`, or a new one written
+    there, so that the run restarted in the same folder continues the same wandb run."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and (run_id := path.read_text().strip()):
+        return run_id
+    from wandb.sdk.lib.runid import generate_id
+
+    run_id = generate_id()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
+class WandbWriter:
+    """The rows of ``metrics.jsonl`` logged to a wandb run (:data:`TENSORBOARD_TAGS` at the row's
+    step), its files in ``run_dir/wandb``; nothing when not ``enabled`` (ranks other than 0) or in
+    mode ``disabled``.
+
+    A restart in the same folder continues the run (``resume="allow"`` with the folder's id).
+    wandb keeps one value per step and cannot take back logged steps: an online run that already
+    holds steps past the resumed one keeps their first values (the rows of those redone steps are
+    skipped, ``metrics.jsonl`` has both); offline, each start writes its own ``offline-run-*``.
+    A failure to log or to finish is a warning: it never stops or hides the training.
+    """
+
+    def __init__(self, run_dir: Path, spec: WandbRun, enabled: bool = True) -> None:
+        self.run: Any = None
+        self.logged_before = 0  # steps below this are in the resumed wandb run already
+        self.broken = False
+        if not enabled or spec.mode == "disabled":
+            return
+        import wandb
+
+        try:
+            self.run = wandb.init(
+                project=spec.project, entity=spec.entity, group=spec.group, name=spec.name, config=spec.config,
+                dir=str(run_dir), mode=spec.mode, id=wandb_run_id(run_dir), resume="allow",
+                settings=wandb.Settings(console="off"),  # the run folder's train.log has the output
+            )
+            self.logged_before = int(self.run.step)
+        except Exception as exc:
+            self.close(failed=True)
+            raise RuntimeError(
+                f"metrics.wandb: wandb.init failed in mode {spec.mode} ({type(exc).__name__}: {exc}); "
+                "metrics.wandb_mode=offline needs no network or login, metrics.wandb=false turns it off"
+            ) from exc
+        if self.logged_before > 1:
+            log.info("wandb: continuing run %s (%s), which has steps up to %d", self.run.id, spec.name, self.logged_before - 1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.run is None or self.broken:
+            return
+        values = {tag: float(row[key]) for key, tag in TENSORBOARD_TAGS.items() if row.get(key) is not None}
+        if not values or row["step"] < self.logged_before:
+            return
+        try:
+            self.run.log(values, step=row["step"])
+        except Exception as exc:
+            self.broken = True
+            log.warning("wandb: logging failed (%s: %s); the run goes on without wandb", type(exc).__name__, exc)
+
+    def close(self, failed: bool = False) -> None:
+        """Finish the run (marked failed with ``failed``); a wandb error here is only logged."""
+        run, self.run = self.run, None
+        if run is None:
+            return
+        try:
+            run.finish(exit_code=1 if failed else 0)
+        except Exception as exc:
+            log.warning("wandb: finishing the run failed (%s: %s)", type(exc).__name__, exc)
+
+
 class MetricsWriter:
-    """Where a run's metric rows go: ``metrics.jsonl`` in ``run_dir``, and TensorBoard event
-    files in ``run_dir/tensorboard`` when ``tensorboard``; rank 0 only (``enabled``)."""
+    """Where a run's metric rows go: ``metrics.jsonl`` in ``run_dir``, TensorBoard event files in
+    ``run_dir/tensorboard`` when ``tensorboard``, and the wandb run ``wandb`` (:func:`wandb_run`)
+    when given; rank 0 only (``enabled``)."""
 
     def __init__(
-        self, run_dir: Path, enabled: bool = True, tensorboard: bool = False, purge_step: int | None = None
+        self,
+        run_dir: Path,
+        enabled: bool = True,
+        tensorboard: bool = False,
+        purge_step: int | None = None,
+        wandb: WandbRun | None = None,
     ) -> None:
         self.jsonl = JsonlWriter(run_dir / METRICS_FILE, enabled)
-        self.tensorboard = (
-            TensorBoardWriter(run_dir / TENSORBOARD_DIR, enabled, purge_step) if enabled and tensorboard else None
-        )
+        self.tensorboard: TensorBoardWriter | None = None
+        self.wandb: WandbWriter | None = None
+        try:
+            if enabled and tensorboard:
+                self.tensorboard = TensorBoardWriter(run_dir / TENSORBOARD_DIR, enabled, purge_step)
+            if enabled and wandb is not None:
+                self.wandb = WandbWriter(run_dir, wandb, enabled)
+        except BaseException:
+            self.close(failed=True)
+            raise
 
     def write(self, row: dict[str, Any]) -> None:
         self.jsonl.write(row)
         if self.tensorboard is not None:
             self.tensorboard.write(row)
+        if self.wandb is not None:
+            self.wandb.write(row)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every writer; ``failed``: the run ends with an error (its wandb run is marked so)."""
         try:
             self.jsonl.close()
         finally:
-            if self.tensorboard is not None:
-                self.tensorboard.close()
+            try:
+                if self.tensorboard is not None:
+                    self.tensorboard.close()
+            finally:
+                if self.wandb is not None:
+                    self.wandb.close(failed)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -469,4 +469,16 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
                 f"({type(exc).__name__}: {exc}); install it with pip install 'boost-compile[tensorboard]' "
                 "or set metrics.tensorboard=false"
             ) from exc
+    if tc.metrics.wandb:
+        try:
+            import wandb  # noqa: F401
+        except Exception as exc:  # not installed, or broken
+            raise ConfigError(
+                f"metrics.wandb=true needs the `wandb` package, which cannot be imported "
+                f"({type(exc).__name__}: {exc}); install it with pip install 'boost-compile[wandb]' "
+                "or set metrics.wandb=false"
+            ) from exc
+        from boost_compile.train.metrics import wandb_mode
+
+        wandb_mode(tc.metrics.wandb_mode)  # a bad WANDB_MODE fails here, before the run starts
     return tc, shape
