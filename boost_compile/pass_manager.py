@@ -12,6 +12,8 @@ Two levels of pass:
 Every pass returns a ``PassReport`` (sites found / rewritten / skipped with a
 reason). In strict mode a pass that found nothing, or skipped a site, raises
 ``StrictPassError``: a silent no-op is the classic failure of compiler passes.
+Under ``TORCH_TRACE`` each report, each graph a pass changed and an ATen graph's
+collectives also go to PyTorch's structured trace, for tlparse (``trace.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
+from boost_compile import trace
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
 
@@ -183,10 +186,13 @@ class AtenPipeline(compat.CustomGraphPass):
         self.sink = sink if sink is not None else []
 
     def __call__(self, graph: fx.Graph) -> None:
+        traced = trace.PassTrace.of_aten(graph)
         for p in self.passes:
             report = p(graph)
             self.sink.append(report)
+            traced.after(report)
         graph.lint()
+        trace.emit_collectives(graph)
 
     def uuid(self) -> bytes:
         h = hashlib.sha256(inspect.getsource(inspect.getmodule(AtenPipeline)).encode())
@@ -213,6 +219,7 @@ def run_graph_passes(
     from boost_compile.analysis import count_ops
 
     reports = []
+    traced = trace.PassTrace.of_module(ctx.gm)
     for p in passes:
         if not p.enabled():
             continue
@@ -222,6 +229,7 @@ def run_graph_passes(
         ctx.invalidate()
         reports.append(report)
         log.info("%s", report.line())
+        traced.after(report)  # before the strict check: a failing pass's report is in the trace too
         if ctx.config.strict:
             check_strict(p, report)
         if stages is not None:
