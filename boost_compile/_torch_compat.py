@@ -19,6 +19,12 @@ import torch
 # Inductor's hooks for a custom graph pass and a custom partitioner (keyed by their uuid())
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn  # noqa: F401
 
+# the structured trace (TORCH_TRACE) that tlparse reads, and the logger it writes to
+from torch._logging import trace_structured  # noqa: E402,F401
+
+#: ``trace_structured``'s logger: it has a handler exactly while a trace is written.
+TRACE_LOGGER = "torch.__trace"
+
 #: The torch release these names were checked against.
 CHECKED_WITH = "2.13.0"
 

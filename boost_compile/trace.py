@@ -29,18 +29,25 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.fx as fx
-from torch._logging import trace_structured
 
+from boost_compile import _torch_compat as compat
+from boost_compile.analysis import fx_utils
 from boost_compile.analysis.fx_utils import graph_kind
 
-if TYPE_CHECKING:
-    from boost_compile.pass_manager import PassReport
+
+class PassReport(Protocol):
+    """What the trace reads of a pass's report (``pass_manager.PassReport``; named here, not
+    imported: the pass manager imports this module)."""
+
+    name: str
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 #: The logger ``trace_structured`` writes to; it has a handler exactly when a trace is on.
-TRACE_LOGGER = "torch.__trace"
+TRACE_LOGGER = compat.TRACE_LOGGER
 
 #: The graph name the Torch-IR passes' artifacts carry.
 DYNAMO_GRAPH = "dynamo"
@@ -58,7 +65,7 @@ def _to_json(obj: Any) -> str:
 
 def emit(name: str, encoding: str, payload_fn: Callable[[], str]) -> None:
     """One ``artifact`` entry; ``payload_fn`` is called only while a trace is written."""
-    trace_structured(
+    compat.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": name, "encoding": encoding},
         payload_fn=payload_fn,
@@ -150,10 +157,7 @@ def emit_collectives(graph: fx.Graph) -> None:
     """``boost_collectives`` for an ATen graph that has collectives (nothing for one without)."""
     if not tracing():
         return
-    # imported here: the passes package imports the pass manager, which imports this module
-    from boost_compile.passes.collective_census import collectives_of
-
-    found = collectives_of(graph)
+    found = fx_utils.collectives_of(graph)
     if found:
         kind = graph_kind(graph)
         emit("boost_collectives", "json", lambda: _to_json(collectives_payload(kind, found)))

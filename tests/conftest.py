@@ -318,6 +318,9 @@ FAST = (
     "passes=eager",
 )
 
+# FAST, 4 steps evaluated at 2 and 4, no checkpoints: a run for the metric writers' tests
+METRICS_RUN = (*FAST, "trainer.steps=4", "trainer.eval_every=2", "checkpoint=off")
+
 
 def cfg_of(*overrides: str):
     """boost-train's composed Hydra config for ``overrides``."""

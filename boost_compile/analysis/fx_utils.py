@@ -248,3 +248,31 @@ def forward_bodies(node: fx.Node) -> list[fx.GraphModule]:
             if isinstance(sub, fx.GraphModule):
                 bodies.append(sub)
     return bodies
+
+
+def collectives_of(graph: fx.Graph) -> list[dict[str, Any]]:
+    """``[{kind, shape, dtype, bytes}]`` for the collectives of an ATen graph, in order (waits left out)."""
+    found = []
+    for node in graph.nodes:
+        if not is_collective(node, waits=False, bodies=False):
+            continue
+        src = node.args[0]
+        val = src.meta.get("val") if isinstance(src, fx.Node) else None
+        shape = tuple(int(s) for s in val.shape) if val is not None else None
+        nbytes = val.numel() * val.element_size() if val is not None else None
+        found.append({
+            "kind": collective_kind(node.target), "shape": shape, "dtype": str(val.dtype) if val is not None else None,
+            "bytes": nbytes, "module": module_path(node), "source": source_of(node),
+        })
+    return found
+
+
+def source_of(node: fx.Node) -> str:
+    """The Torch-IR node a forward collective was traced from (empty in backward)."""
+    sources = node.meta.get("from_node") or []
+    while sources:
+        src = sources[-1]
+        if not getattr(src, "from_node", None):
+            return str(src.name)
+        sources = src.from_node
+    return ""

@@ -21,6 +21,7 @@ import netrc
 import os
 import sys
 import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,9 +195,7 @@ def wandb_run_id(run_dir: Path) -> str:
     path = run_dir / WANDB_ID_FILE
     if path.is_file() and (run_id := path.read_text().strip()):
         return run_id
-    from wandb.sdk.lib.runid import generate_id
-
-    run_id = generate_id()
+    run_id = uuid.uuid4().hex[:12]  # wandb's ids are short lowercase alphanumerics
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(run_id + "\n")
     return run_id

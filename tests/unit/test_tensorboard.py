@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import METRICS_RUN
 from hydra import compose, initialize_config_dir
 
 from boost_compile.config import ConfigError
@@ -26,19 +27,6 @@ from boost_compile.train.validate import validate
 
 needs_tensorboard = pytest.mark.skipif(
     importlib.util.find_spec("tensorboard") is None, reason="pip install 'boost-compile[tensorboard]'"
-)
-FAST = (
-    "trainer=quick",
-    "trainer.steps=4",
-    "trainer.eval_every=2",
-    "trainer.eval_batches=2",
-    "trainer.save_every=0",
-    "trainer.plot=false",
-    "trainer.progress=none",
-    "trainer.threads=1",
-    "checkpoint=off",
-    "data.max_bytes=200000",
-    "passes=eager",
 )
 MISSING = r"metrics.tensorboard=true needs the `tensorboard` package.*pip install 'boost-compile\[tensorboard\]'"
 
@@ -64,7 +52,7 @@ def f32(value: float) -> float:
 
 @needs_tensorboard
 def test_event_files_hold_the_rows_of_metrics_jsonl(tmp_path):
-    result = run(cfg_of(*FAST, "metrics.tensorboard=true"), tmp_path)
+    result = run(cfg_of(*METRICS_RUN, "metrics.tensorboard=true"), tmp_path)
     assert result["status"] == "completed" and result["steps"] == 4
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
@@ -94,7 +82,7 @@ def test_sigterm_stops_with_the_event_files_closed(tmp_path, monkeypatch):
     monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_signal)
     close = metrics.TensorBoardWriter.close
     monkeypatch.setattr(metrics.TensorBoardWriter, "close", lambda self: (closed.append(self.writer), close(self)))
-    result = run(cfg_of(*FAST, "trainer.steps=50", "trainer.eval_every=0", "metrics.tensorboard=true"), tmp_path)
+    result = run(cfg_of(*METRICS_RUN, "trainer.steps=50", "trainer.eval_every=0", "metrics.tensorboard=true"), tmp_path)
     assert result["status"] == "stopped" and result["signal"] == "SIGTERM" and result["steps"] == 2
     assert len(closed) == 1 and closed[0] is not None
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -102,7 +90,7 @@ def test_sigterm_stops_with_the_event_files_closed(tmp_path, monkeypatch):
 
 
 def test_off_by_default_writes_no_event_files(tmp_path):
-    cfg = cfg_of(*FAST, "trainer.steps=2", "trainer.eval_every=0")
+    cfg = cfg_of(*METRICS_RUN, "trainer.steps=2", "trainer.eval_every=0")
     assert cfg.metrics.tensorboard is False
     result = run(cfg, tmp_path)
     assert result["status"] == "completed"
@@ -160,7 +148,7 @@ def test_a_restart_in_the_same_folder_keeps_one_value_per_step(tmp_path):
 
     from boost_compile.train.metrics import read_metrics
 
-    cfg = cfg_of(*FAST, "checkpoint=default", "trainer.steps=4", "trainer.eval_every=0", "trainer.save_every=2",
+    cfg = cfg_of(*METRICS_RUN, "checkpoint=default", "trainer.steps=4", "trainer.eval_every=0", "trainer.save_every=2",
                  "trainer.resume=auto",
                  "metrics.tensorboard=true")
     run(cfg, tmp_path)

@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from boost_compile import trace
+from boost_compile.analysis import fx_utils
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import AtenPipeline
-from boost_compile.passes import collective_census
 from boost_compile.passes.collective_census import CollectiveCensusPass
 from boost_compile.passes.op_census import OpCensusPass
 from boost_compile.passes.tp_overlap import TPOverlapPass
@@ -307,7 +307,7 @@ def payload_spy(monkeypatch) -> list[str]:
     for name in ("render_module", "render_graph", "report_payload", "collectives_payload"):
         monkeypatch.setattr(trace, name, spy(name, getattr(trace, name)))
     # the scan for collectives (the runs below leave out the census pass, its own user)
-    monkeypatch.setattr(collective_census, "collectives_of", spy("collectives_of", collective_census.collectives_of))
+    monkeypatch.setattr(fx_utils, "collectives_of", spy("collectives_of", fx_utils.collectives_of))
     return calls
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import METRICS_RUN
 from hydra import compose, initialize_config_dir
 
 from boost_compile.config import ConfigError
@@ -40,19 +41,6 @@ from boost_compile.train.validate import to_train_config, validate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="pip install 'boost-compile[wandb]'")
 
-FAST = (
-    "trainer=quick",
-    "trainer.steps=4",
-    "trainer.eval_every=2",
-    "trainer.eval_batches=2",
-    "trainer.save_every=0",
-    "trainer.plot=false",
-    "trainer.progress=none",
-    "trainer.threads=1",
-    "checkpoint=off",
-    "data.max_bytes=200000",
-    "passes=eager",
-)
 OFFLINE = ("metrics.wandb=true", "metrics.wandb_mode=offline")
 MISSING = r"metrics.wandb=true needs the `wandb` package.*pip install 'boost-compile\[wandb\]' or set metrics.wandb=false"
 
@@ -132,7 +120,7 @@ def expected_history(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_offline_run_holds_the_rows_the_config_and_the_name(tmp_path):
-    cfg = cfg_of(*FAST, *OFFLINE)
+    cfg = cfg_of(*METRICS_RUN, *OFFLINE)
     result = run(cfg, tmp_path, overrides=["optim.lr=0.003", "trainer.steps=4"])
     assert result["status"] == "completed" and result["steps"] == 4
     run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
@@ -150,7 +138,7 @@ def test_offline_run_holds_the_rows_the_config_and_the_name(tmp_path):
 
 
 def test_a_restart_in_the_folder_continues_the_wandb_run(tmp_path):
-    cfg = cfg_of(*FAST, *OFFLINE, "trainer.steps=2", "trainer.eval_every=0")
+    cfg = cfg_of(*METRICS_RUN, *OFFLINE, "trainer.steps=2", "trainer.eval_every=0")
     run(cfg, tmp_path)
     again = run(cfg, tmp_path)
     assert again["restarts"] == 1
@@ -180,7 +168,7 @@ def test_a_wandb_failure_never_hides_the_training_error(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb.sdk.wandb_run.Run, "finish", failing_finish)
     monkeypatch.setattr(metrics.MetricsWriter, "write", write_then_fail)
     with pytest.raises(RuntimeError, match="the training step failed"):
-        run(cfg_of(*FAST, *OFFLINE, "trainer.eval_every=0"), tmp_path)
+        run(cfg_of(*METRICS_RUN, *OFFLINE, "trainer.eval_every=0"), tmp_path)
     assert codes == [1]  # marked failed
     assert offline_run(wandb_files(tmp_path)[0])["history"]["train/loss"] == expected_history(tmp_path)["train/loss"]
 
@@ -255,7 +243,7 @@ def test_name_and_group_from_hydra(tmp_path, multirun):
 def test_a_sweep_groups_its_jobs_by_the_sweep_folder(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "boost_compile.train", "-m", *FAST, *OFFLINE, "trainer.steps=2", "trainer.eval_every=0",
+        [sys.executable, "-m", "boost_compile.train", "-m", *METRICS_RUN, *OFFLINE, "trainer.steps=2", "trainer.eval_every=0",
          "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"],
         capture_output=True, text=True, timeout=300,
     )
