@@ -15,6 +15,7 @@ scaled gradient) puts it orders of magnitude above.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -164,6 +165,41 @@ def check_against_eager(model: nn.Module, compile_fn: Any, run: Any, inputs: Any
         errors["input_grad"] = error_pair(*({n: t.grad for n, t in zip(names, xs, strict=True)}
                                             for xs in (tested_x, eager_x, truth_x)))
     return assert_parity(errors, dtype, what)
+
+
+# ----------------------------------------------------------------------------- trace logger
+
+#: torch's structured-trace logger. ``trace_structured`` builds its payloads (tensor
+#: descriptions, graph dumps) whenever this logger has a handler, and pytest attaches its
+#: capture handlers to every non-propagating logger as each phase of a test starts: without
+#: the wrappers below, every compile of the suite would build a trace nobody reads.
+_TRACE_LOGGER = logging.getLogger("torch.__trace")
+
+
+def _detach_capture_handlers() -> None:
+    """Drop from the trace logger the handlers pytest put there (those it also put on root);
+    a handler a test installs itself (a captured trace) stays."""
+    for handler in list(_TRACE_LOGGER.handlers):
+        if handler in logging.getLogger().handlers:
+            _TRACE_LOGGER.removeHandler(handler)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_setup(item):
+    _detach_capture_handlers()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_call(item):
+    _detach_capture_handlers()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    _detach_capture_handlers()
+    return (yield)
 
 
 def pytest_configure(config) -> None:

@@ -250,12 +250,21 @@ class WandbWriter:
             log.warning("wandb: logging failed (%s: %s); the run goes on without wandb", type(exc).__name__, exc)
 
     def close(self, failed: bool = False) -> None:
-        """Finish the run (marked failed with ``failed``); a wandb error here is only logged."""
+        """Finish the run (marked failed with ``failed``); a wandb error here is only logged.
+
+        ``run.finish`` only tells wandb's service process that the run is done: the service
+        writes and closes the run's files afterwards, on its own time. When no other wandb run
+        is active in this process, ``wandb.teardown`` waits for the service, so the run folder's
+        ``wandb/`` is complete once training returns (ready to read or to ``wandb sync``)."""
         run, self.run = self.run, None
         if run is None:
             return
+        import wandb
+
         try:
             run.finish(exit_code=1 if failed else 0)
+            if wandb.run is None:
+                wandb.teardown()
         except Exception as exc:
             log.warning("wandb: finishing the run failed (%s: %s)", type(exc).__name__, exc)
 

@@ -193,7 +193,8 @@ class _Artifacts(logging.Handler):
 @pytest.fixture
 def captured(monkeypatch) -> Iterator[_Artifacts]:
     """A structured trace written to a list instead of TORCH_TRACE's file: the trace logger's
-    only handler for the test (pytest attaches its own to every non-propagating logger)."""
+    only handler for the test (in place of torch's lazy handler; conftest already keeps
+    pytest's capture handlers off this logger)."""
     logger = logging.getLogger(trace.TRACE_LOGGER)
     handler = _Artifacts()
     monkeypatch.setattr(logger, "handlers", [handler])
@@ -210,8 +211,8 @@ def captured(monkeypatch) -> Iterator[_Artifacts]:
 @contextlib.contextmanager
 def untraced() -> Iterator[None]:
     """The trace logger as a process without TORCH_TRACE has it once torch's lazy handler has
-    found no trace directory and removed itself: no handler at all. A context, not a fixture:
-    pytest attaches its own handlers to every non-propagating logger as each test starts."""
+    found no trace directory and removed itself: no handler at all. A context, not a fixture, so
+    it holds for the test body alone, after every fixture and hook has run."""
     logger = logging.getLogger(trace.TRACE_LOGGER)
     handlers = logger.handlers
     logger.handlers = []
