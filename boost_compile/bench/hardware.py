@@ -61,6 +61,8 @@ class Hardware:
     notes: dict[str, str] = field(default_factory=dict, compare=False)
     #: alpha of one pipeline send/recv (0: not modelled, as in the GPU files)
     p2p_latency: float = 0.0
+    #: memory of one device in GiB (0: not given; the planner then needs --memory-gib)
+    memory_gib: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -80,7 +82,7 @@ HARDWARE_FIELDS = (
     "elementwise_efficiency",
 )
 #: fields a hardware file may leave out (then 0)
-OPTIONAL_HARDWARE_FIELDS = ("p2p_latency",)
+OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib")
 #: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
 MAY_BE_ZERO = ("gemm_half_intensity",)
 

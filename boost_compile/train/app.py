@@ -26,7 +26,7 @@ from boost_compile.train.launchers import adopt_submitit_environment, check_plug
 from boost_compile.train.loop import Trainer
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary, write_summary
 from boost_compile.train.parallel import setup_distributed
-from boost_compile.train.validate import env_world_size, validate
+from boost_compile.train.validate import env_world_size, to_train_config, validate
 
 log = logging.getLogger("boost_compile.train")
 
@@ -53,7 +53,12 @@ def run(cfg: Any, run_dir: str | Path, *, overrides: Sequence[str] = ()) -> dict
     Everything is validated first (:func:`validate`), before the process group,
     the data or the model exists.
     """
-    tc, shape = validate(cfg)
+    tc = to_train_config(cfg)
+    if tc.parallel.layout == "auto":
+        from boost_compile.train.auto_layout import choose_layout
+
+        tc, _ = choose_layout(tc)
+    tc, shape = validate(tc)
     run_dir = Path(run_dir).resolve()
     candidates = resume_candidates(tc, run_dir)  # a bad explicit checkpoint stops here, before any process group
     dev = setup_distributed(tc)

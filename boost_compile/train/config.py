@@ -139,6 +139,16 @@ class ParallelConfig:
     zero: int = 0
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""
+    layout: Annotated[str, Literal["manual", "auto"]] = "manual"
+    """``auto`` (``parallel=auto``): the layout planner (:mod:`boost_compile.plan`) chooses tp, pp,
+    dp, zero, microbatches, pp_schedule, stages_per_rank, plan and ``passes.options.checkpoint``
+    (unless set) for the world size torchrun gives, logs its best rows and the choice; the
+    config is then validated as usual. ``manual``: the fields above, as given."""
+    hardware: str | None = None
+    """``auto``: the planner's hardware file (``cpu``, ``a100-80gb-nvlink``, ``h200`` or a path);
+    null: ``cpu`` on CPU, else the file named after the CUDA device."""
+    memory_gib: float | None = None
+    """``auto``: usable memory per device in GiB (null: 90% of the hardware file's ``memory_gib``)."""
     timeout_s: float = 600.0
     """How long a collective waits for its peers before the run fails (the process group's
     timeout): a hung or lost rank then ends the run, naming the rank and what it waited for,

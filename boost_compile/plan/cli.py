@@ -1,0 +1,171 @@
+"""``boost-plan``: which layout for this model on these devices, ranked by predicted step time.
+
+    boost-plan --model cola-7b --devices 4 --batch 4 --seq 4096 --hardware a100-80gb-nvlink
+    boost-plan --model path/to/config.json --devices 64 --per-node 8 --hardware h200 --json plan.json
+
+The model is a preset (``cola-60m``), a boost-train model config (``hydra_conf/model/*.yaml``
+by name or path) or a Hugging Face ``config.json`` (or its folder). The table lists
+the best layouts that fit, each with its predicted step, tokens/s and memory per
+device by term; below it the launch command of each row. ``--json FILE`` writes
+every row, best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from boost_compile.bench.hardware import HARDWARE_FILES, load_hardware
+from boost_compile.plan.memory import PRECISIONS
+from boost_compile.plan.model import ModelSpec, factorized, from_hf_config, from_preset
+from boost_compile.plan.search import CHECKPOINTS, Job, PlanError, Row, best, search
+
+#: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
+USABLE = 0.9
+TERM_LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "dp_buckets": "ddp",
+               "activations": "acts", "head": "head", "temporary": "temp"}
+
+
+def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec, tuple[str, ...]]:
+    """A :class:`ModelSpec` and the boost-train arguments that name the same model."""
+    from boost_compile.models import LlamaConfig
+
+    path = Path(model).expanduser()
+    if model in LlamaConfig.presets():
+        overrides = {"vocab_size": vocab_size} if vocab_size else {}
+        named = _model_config(model) is not None  # hydra_conf/model/<preset>.yaml
+        args = (f"model={model}" if named else f"model.preset={model}",) + (
+            (f"+model.overrides.vocab_size={vocab_size}",) if vocab_size else ())
+        return from_preset(model, **overrides), args
+    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file()):
+        spec = from_hf_config(path)
+        return (spec.with_vocab(vocab_size) if vocab_size else spec), ("model=hf", f"model.hf_path={path}")
+    yaml_path = path if path.suffix in (".yaml", ".yml") else _model_config(model)
+    if yaml_path is not None:
+        from omegaconf import OmegaConf
+
+        group = OmegaConf.to_container(OmegaConf.load(yaml_path), resolve=True)
+        assert isinstance(group, dict)
+        if group.get("preset"):
+            extra = dict(group.get("overrides") or {})
+            if vocab_size:
+                extra["vocab_size"] = vocab_size
+            named = yaml_path.parent.name == "model"
+            return from_preset(group["preset"], **extra), (f"model={yaml_path.stem}" if named else f"model.preset={group['preset']}",)
+        if group.get("hf_path"):
+            return from_hf_config(group["hf_path"]), (f"model.hf_path={group['hf_path']}",)
+        if group.get("hf_config"):
+            return from_hf_config(dict(group["hf_config"]), yaml_path.stem), (f"model={yaml_path.stem}",)
+    raise SystemExit(
+        f"boost-plan: --model {model!r} is not a preset ({', '.join(LlamaConfig.presets()[:6])}, ...), a boost-train "
+        "model config (hydra_conf/model/<name>.yaml) nor a Hugging Face config.json"
+    )
+
+
+def _model_config(name: str) -> Path | None:
+    from boost_compile.train.config import config_dir
+
+    candidate = config_dir() / "model" / f"{name}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset, boost-train model config (name or .yaml), or Hugging Face config.json")
+    p.add_argument("--devices", type=int, required=True, help="number of devices (processes) of the job")
+    p.add_argument("--per-node", type=int, default=8, help="devices per node: tensor parallelism stays inside one (default 8)")
+    p.add_argument("--batch", type=int, required=True, help="global batch, sequences per step")
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--hardware", default="a100-80gb-nvlink", help=f"{', '.join(HARDWARE_FILES)} or a path to a hardware file")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help=f"usable memory per device (default: {USABLE:.0%} of the hardware file's memory_gib)")
+    p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="trainer.precision (default: fp32 on cpu, bf16-mixed else)")
+    p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary the run trains with (default: the model's)")
+    p.add_argument("--rank", type=int, default=None, help="plan a dense model factorized at this rank (boost-train's factorize=)")
+    p.add_argument("--plans", nargs="+", default=None, choices=["btp", "megatron", "vanilla"],
+                   help="TP plans to consider (default: btp and vanilla for low-rank models, megatron for dense)")
+    p.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
+    p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every row, best first, as JSON")
+
+
+def make_job(args: argparse.Namespace) -> Job:
+    hw = load_hardware(args.hardware)
+    spec, model_args = load_model(args.model, vocab_size=args.vocab_size)
+    if args.rank:
+        spec = factorized(spec, args.rank)
+        model_args = (*model_args, "factorize=lowrank", f"factorize.rank={args.rank}")
+    if args.memory_gib is not None:
+        memory = args.memory_gib * 2**30
+    elif hw.memory_gib:
+        memory = USABLE * hw.memory_gib * 2**30
+    else:
+        raise SystemExit(f"boost-plan: the hardware file {hw.name!r} gives no memory_gib; pass --memory-gib")
+    precision = args.precision or ("fp32" if hw.name == "cpu" else "bf16-mixed")
+    for name in ("devices", "per_node", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"boost-plan: --{name.replace('_', '-')} must be positive")
+    return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args)
+
+
+def table(rows: Sequence[Row], job: Job, top: int) -> str:
+    """The ranked table (markdown) and the commands of its rows."""
+    terms = list(TERM_LABELS)
+    head = ["#", "layout", "step (s)", "tokens/s", "memory (GiB)", *(TERM_LABELS[t] for t in terms), "fits"]
+    lines = [
+        f"{job.spec.name} ({job.spec.num_params() / 1e6:,.0f}M params, {job.spec.kind}) on {job.devices} x {job.hardware.name} "
+        f"({job.per_node} per node, {job.memory_bytes / 2**30:.1f} GiB usable each), batch {job.batch} x seq {job.seq}, "
+        f"{job.precision}; {len(rows)} layouts, {sum(r.fits for r in rows)} fit",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|",
+    ]
+    fitting = [r for r in rows if r.fits]
+    shown = (fitting or list(rows))[:top]  # the layouts that fit; when none does, the nearest misses
+    for i, r in enumerate(shown, 1):
+        cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib:.2f}",
+                 *(f"{r.terms_gib[t]:.2f}" for t in terms), "yes" if r.fits else "no"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
+    return "\n".join(lines)
+
+
+def _progress() -> tuple[object, object]:
+    """A tqdm bar that shows only once the search has run for a second."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, delay=1.0, desc="pricing layouts", unit="layout", file=sys.stderr, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)  # tqdm draws only once ``delay`` has passed
+
+    return bar, update
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="boost-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        job = make_job(args)
+    except ValueError as exc:
+        raise SystemExit(f"boost-plan: {exc}") from exc
+    bar, update = _progress()
+    try:
+        rows = search(job, plans=tuple(args.plans) if args.plans else None, checkpoints=tuple(args.checkpoints), progress=update)
+    finally:
+        bar.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.as_json() for r in rows], indent=1) + "\n")
+    try:
+        best(rows, job)
+    except PlanError as exc:
+        print(table(rows, job, args.top))
+        print(f"\nboost-plan: {exc}", file=sys.stderr)
+        return 1
+    print(table(rows, job, args.top))
+    return 0

@@ -1,0 +1,208 @@
+"""The planner's memory model: bytes per device of a layout, term by term.
+
+Per rank (the busiest one: the pipeline stage and data-parallel rank that hold the most):
+
+- ``params``, ``grads``: the rank's shards (:func:`boost_compile.plan.model.local_numel`)
+  of its stage's tensors, in the weights' dtype;
+- ``optimizer``: AdamW's two moments per local parameter (its ``step`` counters are
+  a few bytes); with ``zero=1`` the share PyTorch's ZeroRedundancyOptimizer gives the
+  busiest dp rank (whole tensors, largest first, each to the emptiest rank);
+- ``dp_buckets``: DDP's gradient buckets when dp > 1, a second copy of the gradients;
+- ``activations``: what the forward saves for the backward in the blocks, per
+  micro-batch (:func:`block_saved_elements`, what the partitioned graphs hold: see
+  the function) times the micro-batches the schedule keeps in flight on the stage
+  (:func:`in_flight`);
+- ``head``: the head's saved tensors and its loss buffers, on the last stage (the
+  logits and their log-softmax in fp32 on the local vocabulary, the final norm's
+  input and output);
+- ``temporary``: the largest transient of a step: the logits' gradient at the
+  start of the backward, or the optimizer's update (one tensor of the size of the
+  local parameters, AdamW's ``sqrt`` of the second moment).
+
+The peak is the persistent part (params, optimizer, buckets) plus the larger of the
+backward's start (activations in flight, the head, its transient) and the
+optimizer step (gradients and the update's temporary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from boost_compile.plan.model import ModelSpec, Tensor, local_numel, stage_blocks
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor under ``trainer.precision``."""
+
+    name: str
+    weights: int
+    activations: int
+    optimizer: int  # one AdamW moment (torch keeps them in the parameter's dtype)
+
+
+PRECISIONS = {
+    "fp32": Precision("fp32", 4, 4, 4),
+    "bf16-mixed": Precision("bf16-mixed", 4, 2, 4),  # autocast: fp32 weights, bf16 GEMM outputs
+    "bf16-true": Precision("bf16-true", 2, 2, 2),
+    "fp64": Precision("fp64", 8, 8, 8),
+}
+#: bytes per logit of the loss (cross-entropy runs in fp32)
+LOSS_BYTES = 4
+#: a recomputed attention's generator state, saved per block (the CPU generator's; CUDA's is 16 bytes)
+RNG_STATE_BYTES = 5056
+TERMS = ("params", "grads", "optimizer", "dp_buckets", "activations", "head", "temporary")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device of one layout, each term named; ``peak`` is the predicted high-water mark."""
+
+    terms: dict[str, int]
+    peak: int
+    #: "backward" or "optimizer": the phase that sets the peak
+    peak_at: str
+    #: saved bytes of one micro-batch in the stage's blocks, and the micro-batches in flight
+    saved_per_microbatch: int = 0
+    in_flight: int = 1
+    details: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gib(self) -> float:
+        return self.peak / GIB
+
+
+def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -> float:
+    """Elements one block saves per token for the backward, on one TP rank.
+
+    Read off the partitioned graphs of the reference model (``boost-explain``'s saved
+    tensors; tests/unit/test_activation_checkpoint.py checks them): with no
+    checkpointing the partitioner keeps, per token, four stream-wide tensors (the
+    normed inputs of attention and MLP, the two projections' outputs), q, k, v and
+    attention's output with its log-sum-exp per head, each bottleneck's down output
+    before and after its activation (7 r each; plain low-rank has no activation), the
+    three [d_ff] MLP tensors, and the two norms' statistics. ``lowrank`` keeps 7 r of
+    down outputs (dense: q/k/v as one tensor) and two stream tensors; ``full`` the
+    block's input and, under TP, the outputs of its collectives (never recomputed).
+    Widths are per rank: btp splits the stream, heads and d_ff; megatron the heads and
+    d_ff; vanilla only the bottleneck's r.
+    """
+    d, ff, heads, kv = spec.dim, spec.ffn_dim, spec.n_heads, spec.kv_dim
+    r = 0 if spec.dense else (4 * spec.rank_attn + 3 * spec.rank_mlp) / 7
+    stats = 2 * (2 if spec.norm == "layernorm" else 1)
+    p = tp
+    stream = d / p if plan == "btp" else d
+    head_w = 1 / p if plan in ("btp", "megatron") else 1.0
+    ff_w = ff / p if plan in ("btp", "megatron") else ff
+    latent = 7 * r / p if plan == "vanilla" else 7 * r
+    activation = 1 if spec.projection == "lowrank" else 2
+    if checkpoint == "none":
+        return 4 * stream + (2 * d + 2 * kv + heads) * head_w + activation * latent + 3 * ff_w + stats
+    if checkpoint == "lowrank":
+        if spec.dense:
+            return 2 * stream + (d + 2 * kv) * head_w
+        if plan == "vanilla" and p > 1:  # the all-reduced outputs the recompute reads: q, k, v, gate, up
+            return latent + 2 * d + d + 2 * kv + 2 * ff
+        return latent + 2 * stream
+    if checkpoint == "full":
+        if p == 1:
+            return stream
+        if plan == "btp":
+            return stream + latent  # the [T, r] all-reduces of q/k/v, o, gate/up and down
+        if plan == "megatron":
+            return 2 * d  # the block's input and the attention's all-reduced output
+        return d + d + 2 * kv + 2 * ff  # vanilla: q, k, v, gate, up after their all-reduces
+    raise ValueError(f"the memory model knows checkpoint none, lowrank and full, not {checkpoint!r}")
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int = 0, stages_per_rank: int = 1) -> float:
+    """Micro-batches of a stage's blocks whose activations are live at once (rank ``stage``).
+
+    Without a pipeline, one (the whole batch of the rank). GPipe runs every forward
+    first: all m. 1F1B: ``min(m, pp - stage)``, the first stage the most. Interleaved
+    (and zero-bubble) with v stages per rank: PyTorch's warm-up of
+    ``(v - 1) pp + 2 (pp - 1 - stage) + 1`` chunks (at most m v), each a 1/v share of
+    the rank's blocks.
+    """
+    if pp == 1:
+        return 1.0
+    m, v = microbatches, stages_per_rank
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or v == 1:
+        return float(min(m, pp - stage))
+    chunks = min(m * v, (v - 1) * pp + 2 * (pp - 1 - stage) + 1)
+    return chunks / v
+
+
+def zero_share(numels: list[int], dp: int) -> int:
+    """Elements of the busiest rank's share: whole tensors, largest first, each to the emptiest rank."""
+    loads = [0] * dp
+    for n in sorted(numels, reverse=True):
+        loads[loads.index(min(loads))] += n
+    return max(loads)
+
+
+def memory(
+    spec: ModelSpec, plan: str, *, tp: int, pp: int, dp: int, zero: int, microbatches: int, schedule: str,
+    checkpoint: str, batch: int, seq: int, precision: str = "fp32", stages_per_rank: int = 1,
+    vocab_parallel: bool = True,
+) -> Memory:
+    """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences."""
+    prec = PRECISIONS[precision]
+    stages = stage_blocks(spec, pp * stages_per_rank)
+    replica = batch // dp
+    m = microbatches if pp > 1 else 1
+    tokens = replica // m * seq
+    tensors = spec.tensors()
+    best: Memory | None = None
+    for rank in range(pp):  # pipeline rank r holds stages r, r + pp, ...
+        mine = [stages[i] for i in range(rank, len(stages), pp)]
+        blocks = {b for s in mine for b in s}
+        first, last = 0 in [stages.index(s) for s in mine], len(stages) - 1 in [stages.index(s) for s in mine]
+        held = [t for t in tensors if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
+        numels = [local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in held]
+        n = sum(numels)
+        opt = 2 * (zero_share(numels, dp) if zero and dp > 1 else n)
+        per_block = block_saved_elements(spec, plan, tp, checkpoint) * tokens * prec.activations
+        per_block += RNG_STATE_BYTES if checkpoint != "none" else 0
+        flight = in_flight(schedule, pp, m, rank, stages_per_rank)
+        saved_mb = per_block * len(blocks)
+        head = head_saved = head_temp = 0.0
+        vocab = -(-spec.vocab_size // tp) if vocab_parallel else spec.vocab_size
+        if last:
+            # the final norm's input (whole d: the last block's output, all-gathered under btp) and its
+            # statistic; its output too without checkpointing (else recomputed); log-softmax of the local logits
+            widths = spec.dim + 1 + (spec.dim if checkpoint == "none" else 0)
+            head_saved = tokens * widths * prec.activations + tokens * vocab * LOSS_BYTES
+            head_temp = 2 * tokens * vocab * LOSS_BYTES  # the logits and their gradient at the backward's start
+            head = head_saved * (1 if pp == 1 else min(flight, m))
+        stream_src = tokens * (spec.dim / tp if plan == "btp" else spec.dim) * prec.activations if first else 0.0
+        activations = saved_mb * flight + stream_src * (flight if pp > 1 else 1)
+        update = max(numels, default=0) * 0 + (opt // 2) * prec.optimizer  # AdamW's temporary: the share it steps
+        terms = {
+            "params": n * prec.weights,
+            "grads": n * prec.weights,
+            "optimizer": opt * prec.optimizer,
+            "dp_buckets": n * prec.weights if dp > 1 else 0,
+            "activations": int(activations),
+            "head": int(head),
+            "temporary": int(max(head_temp, update)),
+        }
+        persistent = terms["params"] + terms["optimizer"] + terms["dp_buckets"]
+        backward = terms["activations"] + terms["head"] + head_temp
+        optimizer = terms["grads"] + update
+        peak = int(persistent + max(backward, optimizer))
+        mem = Memory(terms, peak, "backward" if backward >= optimizer else "optimizer", int(saved_mb), flight,
+                     {"tokens_per_microbatch": tokens, "pp_rank": rank})
+        if best is None or mem.peak > best.peak:
+            best = mem
+    assert best is not None
+    return best
+
+
+def _outside_on(t: Tensor, first: bool, last: bool) -> bool:
+    """The embedding lives on the first stage, the final norm and head on the last."""
+    return first if t.role == "embed" else last

@@ -1,0 +1,206 @@
+"""The layout search: every (tp, pp, dp, zero, micro-batches, schedule, checkpoint, plan) a job can run, ranked.
+
+:func:`search` enumerates the layouts boost-train accepts for a model on ``devices``
+(tp within a node and dividing heads, kv-heads, d and d_ff; pp dividing the rest
+and at most the blocks; dp the remainder, dividing the batch), prices each with
+the time model (:mod:`boost_compile.plan.timing`) and the memory model
+(:mod:`boost_compile.plan.memory`), drops what does not fit and sorts the rest,
+fastest first (then the least memory). :func:`refusal` says why nothing fits and
+what would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+
+from boost_compile.bench import scale_model as sm
+from boost_compile.bench.hardware import Hardware
+from boost_compile.plan.memory import GIB, PRECISIONS, memory
+from boost_compile.plan.model import PLANS, ModelSpec
+from boost_compile.plan.timing import step_time
+
+CHECKPOINTS = ("none", "lowrank", "full")
+#: the schedules a compiled pipeline can run (zero_bubble splits the backward, which a compiled stage cannot)
+SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+class PlanError(ValueError):
+    """No layout can run the job; the message says what would."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What boost-train's ``parallel.*`` and ``passes.options.checkpoint`` say."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    checkpoint: str = "none"
+    plan: str = "btp"
+    stages_per_rank: int = 1
+
+    def label(self) -> str:
+        pipe = f" pp{self.pp} {self.schedule} m{self.microbatches}" + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        return (f"tp{self.tp}" + (f" {self.plan}" if self.tp > 1 else "") + (pipe if self.pp > 1 else "")
+                + f" dp{self.dp}" + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}")
+
+    def overrides(self) -> list[str]:
+        """boost-train's overrides for this layout."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}", f"parallel.zero={self.zero}"]
+        if self.tp > 1:
+            out.append(f"parallel.plan={self.plan}")
+        if self.pp > 1:
+            out += [f"parallel.microbatches={self.microbatches}", f"parallel.pp_schedule={self.schedule}"]
+            if self.stages_per_rank > 1:
+                out.append(f"parallel.stages_per_rank={self.stages_per_rank}")
+        out.append(f"++passes.options.checkpoint={self.checkpoint}")
+        return out
+
+
+@dataclass(frozen=True)
+class Job:
+    """The question: a model, a global batch of ``batch`` x ``seq`` tokens, on ``devices`` devices."""
+
+    spec: ModelSpec
+    batch: int
+    seq: int
+    devices: int
+    per_node: int
+    hardware: Hardware
+    memory_bytes: float  # usable memory per device
+    precision: str = "fp32"
+    #: the boost-train model override that names the model (model=..., model.hf_path=...)
+    model_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One priced layout."""
+
+    layout: Layout
+    step_s: float
+    tokens_per_s: float
+    memory_gib: float
+    terms_gib: dict[str, float]
+    peak_at: str
+    fits: bool
+    command: str
+    recompute_s: float = 0.0
+
+    def as_json(self) -> dict:
+        """The ``--json`` row: the layout's keys, ``step_s``, ``memory_gib``, ``fits``, ``command`` and the terms."""
+        return {**asdict(self.layout), "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
+                "memory_gib": self.memory_gib, "fits": self.fits, "command": self.command,
+                "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s}
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def tp_degrees(spec: ModelSpec, devices: int, per_node: int) -> list[int]:
+    """TP degrees inside one node that divide the heads, kv-heads, d and d_ff (and the devices)."""
+    widths = (spec.n_heads, spec.n_kv_heads, spec.dim, spec.ffn_dim)
+    return [t for t in divisors(min(devices, per_node)) if devices % t == 0 and all(w % t == 0 for w in widths)]
+
+
+def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS) -> Iterator[Layout]:
+    """Every layout of ``job`` that boost-train's validation accepts."""
+    spec = job.spec
+    plans = plans or PLANS[spec.kind]
+    for tp in tp_degrees(spec, job.devices, job.per_node):
+        for pp in divisors(job.devices // tp):
+            dp = job.devices // tp // pp
+            if pp > spec.n_layers or job.batch % dp:
+                continue
+            if pp > 1 and (spec.tie_embeddings or spec.projection == "lax"):
+                continue  # boost-train refuses these pipelines (see train/validate.py)
+            replica = job.batch // dp
+            for plan in plans if tp > 1 else plans[:1]:
+                if plan == "vanilla" and (dp > 1 or pp > 1):
+                    continue  # vanilla's DTensor parameters: dp = 1 and pp = 1 only
+                for zero in (0, 1) if dp > 1 else (0,):
+                    for ck in checkpoints:
+                        yield from _pipelines(Layout(tp, pp, dp, zero, 1, "1f1b", ck, plan), replica, spec.n_layers)
+
+
+def _pipelines(base: Layout, replica: int, n_layers: int) -> Iterator[Layout]:
+    if base.pp == 1:
+        yield base
+        return
+    pp = base.pp
+    for m in divisors(replica):
+        if m < pp:
+            continue
+        yield replace(base, microbatches=m, schedule="1f1b")
+        yield replace(base, microbatches=m, schedule="gpipe")
+        if m % pp == 0 and n_layers >= 2 * pp:
+            yield replace(base, microbatches=m, schedule="interleaved_1f1b", stages_per_rank=2)
+
+
+def price(job: Job, layout: Layout) -> Row:
+    """Time and memory of one layout."""
+    spec, prec = job.spec, PRECISIONS[job.precision]
+    shape = spec.scale_shape()
+    wl = sm.Workload(seq=job.seq, batch=job.batch, dtype_bytes=prec.activations)
+    lo = layout
+    t = step_time(shape, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, microbatches=lo.microbatches, schedule=lo.schedule,
+                  stages_per_rank=lo.stages_per_rank, checkpoint=lo.checkpoint, zero=lo.zero, hw=job.hardware, wl=wl,
+                  param_bytes=prec.weights)
+    mem = memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
+                 schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
+                 stages_per_rank=lo.stages_per_rank)
+    return Row(lo, t.step_s, job.batch * job.seq / t.step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
+               mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s)
+
+
+def command(job: Job, layout: Layout) -> str:
+    """The launch line of one layout: torchrun over the nodes, boost-train with the layout's overrides."""
+    nodes = max(1, -(-job.devices // job.per_node))
+    per_node = min(job.devices, job.per_node)
+    multi_node = f" --nnodes {nodes} --rdzv-backend c10d --rdzv-endpoint $HEAD:29500" if nodes > 1 else ""
+    launch = "boost-train" if job.devices == 1 else f"torchrun --nproc-per-node {per_node}{multi_node} -m boost_compile.train"
+    args = [*job.model_args, f"trainer.batch={job.batch}", f"trainer.seq={job.seq}", *layout.overrides()]
+    if job.precision != "fp32":
+        args.append(f"trainer.precision={job.precision}")
+    return " ".join([launch, *args])
+
+
+def search(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
+           progress: Callable[[int, int], None] | None = None) -> list[Row]:
+    """Every layout of ``job`` priced, best first: those that fit by step time (then memory), then the rest."""
+    candidates = list(layouts(job, plans=plans, checkpoints=checkpoints))
+    rows = []
+    for i, lo in enumerate(candidates):
+        rows.append(price(job, lo))
+        if progress is not None:
+            progress(i + 1, len(candidates))
+    rows.sort(key=lambda r: (not r.fits, r.step_s, r.memory_gib))
+    return rows
+
+
+def best(rows: list[Row], job: Job) -> Row:
+    """The first row that fits; :class:`PlanError` (with :func:`refusal`'s reason) when none does."""
+    for row in rows:
+        if row.fits:
+            return row
+    raise PlanError(refusal(rows, job))
+
+
+def refusal(rows: list[Row], job: Job) -> str:
+    """Why no layout fits ``job`` and what would: the smallest layout's memory against the cap."""
+    cap = job.memory_bytes / GIB
+    if not rows:
+        return (f"no layout of {job.spec.name} runs on {job.devices} device(s) ({job.per_node} per node) with batch "
+                f"{job.batch}: tp must divide heads {job.spec.n_heads}, kv-heads {job.spec.n_kv_heads}, d {job.spec.dim} "
+                f"and d_ff {job.spec.ffn_dim}, and dp the batch")
+    small = min(rows, key=lambda r: r.memory_gib)
+    largest_term = max(small.terms_gib, key=small.terms_gib.get)
+    return (f"no layout of {job.spec.name} fits in {cap:.2f} GiB per device on {job.devices} device(s): the smallest, "
+            f"{small.layout.label()}, needs {small.memory_gib:.2f} GiB (most of it {largest_term}: "
+            f"{small.terms_gib[largest_term]:.2f} GiB); it would fit with {small.memory_gib:.2f} GiB per device "
+            f"(--memory-gib), or with more devices, a smaller batch ({job.batch}) or sequence ({job.seq})")

@@ -1,0 +1,104 @@
+"""The planner's step time: the scale model's iteration, plus recompute, ZeRO-1 and the schedule.
+
+:func:`boost_compile.bench.scale_model.predict` prices one iteration of a (tp, pp,
+dp) layout under 1F1B without recomputation. A layout also names a checkpoint
+mode, ZeRO and a schedule; this module adds what each costs:
+
+- **recompute** (``checkpoint=lowrank`` or ``full``), per layer and micro-batch: the
+  forward of what the backward recomputes, as ``passes/activation_checkpoint.py``
+  decides it. Collectives are never recomputed and their outputs are kept, so
+  under TP a factor whose output is all-reduced is not recomputed either.
+  lowrank: the up GEMMs whose outputs the backward reads (btp: q, k, v, gate, up;
+  megatron: gate/up; vanilla: none, each up output being all-reduced), attention's
+  forward, and the forward passes of the norms, RoPE, SiLU and SwiGLU. full: the
+  whole block but its collectives (btp adds the o and down up factors, and at
+  tp = 1 the down factors; megatron at tp = 1 every GEMM, else q/k/v and gate/up;
+  vanilla every down factor).
+- **ZeRO-1** (``zero=1``): each data-parallel rank steps 1/dp of the parameters and
+  then all-gathers the updated ones (PyTorch's ZeroRedundancyOptimizer broadcasts
+  each rank's share).
+- **schedule**: GPipe and 1F1B have the same bubble (the scale model's
+  ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
+  rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from boost_compile.bench import scale_model as sm
+from boost_compile.bench.hardware import Hardware
+
+#: the plan's system in the scale model
+SYSTEMS = {"btp": "btp", "vanilla": "vanilla", "megatron": "full-rank"}
+#: forward share of the element passes a recompute repeats (norms, RoPE, SwiGLU, SiLU)
+_RECOMPUTED_OPS = ("rmsnorm", "rope", "swiglu", "silu")
+FORWARD_SHARE = sum(sm.PASSES[o][0] for o in _RECOMPUTED_OPS) / sum(sum(sm.PASSES[o]) for o in _RECOMPUTED_OPS)
+
+# indices into scale_model.layer_gemms(system, ...) of the forward GEMMs each mode recomputes
+_BTP = {"lowrank": (1, 2, 3, 7, 8), "full_tp": (1, 2, 3, 5, 7, 8, 10), "full": tuple(range(11))}
+_FULL_RANK = {"lowrank": (2,), "full_tp": (0, 2), "full": (0, 1, 2, 3)}
+_VANILLA = {"lowrank": (), "full_tp": tuple(range(0, 14, 2)), "full": tuple(range(14))}
+RECOMPUTED_GEMMS = {"btp": _BTP, "full-rank": _FULL_RANK, "vanilla": _VANILLA}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one training step of a layout, with the parts the planner adds."""
+
+    step_s: float
+    base_s: float  # the scale model's iteration (no recompute, 1F1B, optimizer on every rank)
+    recompute_s: float
+    zero_s: float  # ZeRO-1's all-gather, less the optimizer work it saves
+    schedule_s: float  # interleaving's change to the bubble and the sends
+    prediction: sm.Prediction
+
+
+def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, mode: str, hw: Hardware,
+                   wl: sm.Workload) -> float:
+    """Seconds one layer spends recomputing its forward for one micro-batch under ``mode``."""
+    if mode in ("none", "budget"):
+        return 0.0
+    tokens, e = batch * seq, wl.dtype_bytes
+    key = "lowrank" if mode == "lowrank" else ("full_tp" if p > 1 else "full")
+    gemms = sm.layer_gemms(system, shape, tokens, p)
+    gemm_s = sum(sm.gemm_time(g.m, g.k, g.n, hw, e) for i, g in enumerate(gemms) if i in RECOMPUTED_GEMMS[system][key])
+    width = sm.attention_heads(system, shape, p) * shape.head_dim
+    attn_s = sm.attention_time(sm.attention_flops(batch, seq, width, wl.causal_fraction), shape.head_dim, hw)
+    ew = sm.layer_elementwise_bytes(system, shape, tokens, p, e) * FORWARD_SHARE
+    return gemm_s + attn_s + sm.elementwise_time(ew, hw)
+
+
+def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str,
+              stages_per_rank: int, checkpoint: str, zero: int, hw: Hardware, wl: sm.Workload,
+              param_bytes: int, head: str = sm.DEFAULT_HEAD) -> StepTime:
+    """The step of one layout: :func:`scale_model.predict` and the terms above."""
+    system = SYSTEMS[plan]
+    m = microbatches if pp > 1 else 1
+    pred = sm.predict(shape, system, tp, pp, hw, replace(wl, micro_batches=m), head=head, dp=dp)
+    mb = wl.batch // dp // m
+    layers = max(len(r) for r in _even(shape.layers, pp))
+    # the busiest stage recomputes its layers for each micro-batch (on the critical path m + pp - 1 times)
+    per_mb = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl) * layers
+    recompute_s = per_mb * (m + pp - 1)
+    zero_s = 0.0
+    if zero and dp > 1:
+        params = max(sm.stage_params(system, shape, tp, pp, head))
+        zero_s = sm.allgather_time(1, params * param_bytes, dp, hw) - pred.optimizer_s * (1 - 1 / dp)
+    schedule_s = 0.0
+    if pp > 1 and schedule in ("interleaved_1f1b", "zero_bubble") and stages_per_rank > 1:
+        v = stages_per_rank
+        stage_s = (pred.iteration_s - pred.optimizer_s - pred.dp_s - pred.p2p_s) / (m + pp - 1)
+        schedule_s = -(pp - 1) * stage_s * (1 - 1 / v) + pred.p2p_s * (v - 1)
+    total = pred.iteration_s + recompute_s + zero_s + schedule_s
+    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, pred)
+
+
+def _even(n: int, parts: int) -> list[range]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
