@@ -63,6 +63,9 @@ class Hardware:
     p2p_latency: float = 0.0
     #: memory of one device in GiB (0: not given; the planner then needs --memory-gib)
     memory_gib: float = 0.0
+    #: ring all-reduce bus bandwidth between nodes, per device (0: not given, the planner
+    #: then prices a data-parallel group that spans nodes at allreduce_bus_bandwidth)
+    internode_bus_bandwidth: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -82,7 +85,7 @@ HARDWARE_FIELDS = (
     "elementwise_efficiency",
 )
 #: fields a hardware file may leave out (then 0)
-OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib")
+OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidth")
 #: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
 MAY_BE_ZERO = ("gemm_half_intensity",)
 

@@ -53,8 +53,14 @@ def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec,
             extra = dict(group.get("overrides") or {})
             if vocab_size:
                 extra["vocab_size"] = vocab_size
-            named = yaml_path.parent.name == "model"
-            return from_preset(group["preset"], **extra), (f"model={yaml_path.stem}" if named else f"model.preset={group['preset']}",)
+            if _model_config(yaml_path.stem) == yaml_path.resolve():  # one of boost-train's model configs
+                args = (f"model={yaml_path.stem}",)
+            else:
+                given = (group.get("overrides") or {}).items()
+                args = (f"model.preset={group['preset']}", *(f"+model.overrides.{k}={v}" for k, v in given))
+            if vocab_size:
+                args += (f"+model.overrides.vocab_size={vocab_size}",)
+            return from_preset(group["preset"], **extra), args
         if group.get("hf_path"):
             return from_hf_config(group["hf_path"]), (f"model.hf_path={group['hf_path']}",)
         if group.get("hf_config"):
@@ -69,7 +75,7 @@ def _model_config(name: str) -> Path | None:
     from boost_compile.train.config import config_dir
 
     candidate = config_dir() / "model" / f"{name}.yaml"
-    return candidate if candidate.is_file() else None
+    return candidate.resolve() if candidate.is_file() else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -115,7 +121,8 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     terms = list(TERM_LABELS)
     head = ["#", "layout", "step (s)", "tokens/s", "memory (GiB)", *(TERM_LABELS[t] for t in terms), "fits"]
     lines = [
-        f"{job.spec.name} ({job.spec.num_params() / 1e6:,.0f}M params, {job.spec.kind}) on {job.devices} x {job.hardware.name} "
+        f"{job.spec.name} ({job.spec.num_params() / 1e6:,.1f}M params, {job.spec.kind}, d {job.spec.dim} x "
+        f"{job.spec.n_layers} layers, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
         f"({job.per_node} per node, {job.memory_bytes / 2**30:.1f} GiB usable each), batch {job.batch} x seq {job.seq}, "
         f"{job.precision}; {len(rows)} layouts, {sum(r.fits for r in rows)} fit",
         "",

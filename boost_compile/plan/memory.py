@@ -20,8 +20,9 @@ Per rank (the busiest one: the pipeline stage and data-parallel rank that hold t
   local parameters, AdamW's ``sqrt`` of the second moment).
 
 The peak is the persistent part (params, optimizer, buckets) plus the larger of the
-backward's start (activations in flight, the head, its transient) and the
-optimizer step (gradients and the update's temporary).
+backward's start (activations in flight, the head, the logits' gradient) and the
+optimizer step (gradients and the update's temporary): the sum of the terms live
+then (:attr:`Memory.live`). ``temporary`` is the transient of that phase.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Memory:
     peak: int
     #: "backward" or "optimizer": the phase that sets the peak
     peak_at: str
+    #: the terms live at the peak (they sum to it): the backward's start holds the activations
+    #: and the head, the optimizer step the gradients
+    live: tuple[str, ...] = ()
     #: saved bytes of one micro-batch in the stage's blocks, and the micro-batches in flight
     saved_per_microbatch: int = 0
     in_flight: int = 1
@@ -80,8 +84,9 @@ def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -
     Read off the partitioned graphs of the reference model (``boost-explain``'s saved
     tensors; tests/unit/test_activation_checkpoint.py checks them): with no
     checkpointing the partitioner keeps, per token, four stream-wide tensors (the
-    normed inputs of attention and MLP, the two projections' outputs), q, k, v and
-    attention's output with its log-sum-exp per head, each bottleneck's down output
+    normed inputs of attention and MLP, the two projections' outputs), q, k, v (k and v
+    repeated to every query head, as attention reads them) and attention's output with
+    its log-sum-exp per head, each bottleneck's down output
     before and after its activation (7 r each; plain low-rank has no activation), the
     three [d_ff] MLP tensors, and the two norms' statistics. ``lowrank`` keeps 7 r of
     down outputs (dense: q/k/v as one tensor) and two stream tensors; ``full`` the
@@ -99,7 +104,7 @@ def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -
     latent = 7 * r / p if plan == "vanilla" else 7 * r
     activation = 1 if spec.projection == "lowrank" else 2
     if checkpoint == "none":
-        return 4 * stream + (2 * d + 2 * kv + heads) * head_w + activation * latent + 3 * ff_w + stats
+        return 4 * stream + (4 * d + heads) * head_w + activation * latent + 3 * ff_w + stats
     if checkpoint == "lowrank":
         if spec.dense:
             return 2 * stream + (d + 2 * kv) * head_w
@@ -170,18 +175,16 @@ def memory(
         per_block += RNG_STATE_BYTES if checkpoint != "none" else 0
         flight = in_flight(schedule, pp, m, rank, stages_per_rank)
         saved_mb = per_block * len(blocks)
-        head = head_saved = head_temp = 0.0
+        head = head_temp = 0.0
         vocab = -(-spec.vocab_size // tp) if vocab_parallel else spec.vocab_size
         if last:
             # the final norm's input (whole d: the last block's output, all-gathered under btp) and its
-            # statistic; its output too without checkpointing (else recomputed); log-softmax of the local logits
-            widths = spec.dim + 1 + (spec.dim if checkpoint == "none" else 0)
-            head_saved = tokens * widths * prec.activations + tokens * vocab * LOSS_BYTES
+            # statistic (its output is recomputed), and the log-softmax of the local logits
+            head = (tokens * (spec.dim + 1) * prec.activations + tokens * vocab * LOSS_BYTES) * flight
             head_temp = 2 * tokens * vocab * LOSS_BYTES  # the logits and their gradient at the backward's start
-            head = head_saved * (1 if pp == 1 else min(flight, m))
         stream_src = tokens * (spec.dim / tp if plan == "btp" else spec.dim) * prec.activations if first else 0.0
-        activations = saved_mb * flight + stream_src * (flight if pp > 1 else 1)
-        update = max(numels, default=0) * 0 + (opt // 2) * prec.optimizer  # AdamW's temporary: the share it steps
+        activations = (saved_mb + stream_src) * flight
+        update = (opt // 2) * prec.optimizer  # AdamW's temporary: one tensor the size of the share it steps
         terms = {
             "params": n * prec.weights,
             "grads": n * prec.weights,
@@ -189,13 +192,14 @@ def memory(
             "dp_buckets": n * prec.weights if dp > 1 else 0,
             "activations": int(activations),
             "head": int(head),
-            "temporary": int(max(head_temp, update)),
         }
-        persistent = terms["params"] + terms["optimizer"] + terms["dp_buckets"]
         backward = terms["activations"] + terms["head"] + head_temp
-        optimizer = terms["grads"] + update
-        peak = int(persistent + max(backward, optimizer))
-        mem = Memory(terms, peak, "backward" if backward >= optimizer else "optimizer", int(saved_mb), flight,
+        at_optimizer = terms["grads"] + update
+        phase = "backward" if backward >= at_optimizer else "optimizer"
+        terms["temporary"] = int(head_temp if phase == "backward" else update)
+        live = ("params", "optimizer", "dp_buckets", "temporary") + (
+            ("activations", "head") if phase == "backward" else ("grads",))
+        mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
                      {"tokens_per_microbatch": tokens, "pp_rank": rank})
         if best is None or mem.peak > best.peak:
             best = mem

@@ -17,6 +17,9 @@ mode, ZeRO and a schedule; this module adds what each costs:
 - **ZeRO-1** (``zero=1``): each data-parallel rank steps 1/dp of the parameters and
   then all-gathers the updated ones (PyTorch's ZeroRedundancyOptimizer broadcasts
   each rank's share).
+- **nodes**: a data-parallel group spanning nodes (tp x dp ranks of a stage beyond one
+  node) all-reduces, and pipeline stages on different nodes send, at the hardware
+  file's ``internode_bus_bandwidth``.
 - **schedule**: GPipe and 1F1B have the same bubble (the scale model's
   ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
   rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
@@ -51,6 +54,7 @@ class StepTime:
     recompute_s: float
     zero_s: float  # ZeRO-1's all-gather, less the optimizer work it saves
     schedule_s: float  # interleaving's change to the bubble and the sends
+    internode_s: float  # a data-parallel all-reduce or pipeline sends across nodes: their extra time
     prediction: sm.Prediction
 
 
@@ -71,7 +75,8 @@ def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, m
 
 def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str,
               stages_per_rank: int, checkpoint: str, zero: int, hw: Hardware, wl: sm.Workload,
-              param_bytes: int, head: str = sm.DEFAULT_HEAD) -> StepTime:
+              param_bytes: int, head: str = sm.DEFAULT_HEAD, dp_across_nodes: bool = False,
+              p2p_across_nodes: bool = False) -> StepTime:
     """The step of one layout: :func:`scale_model.predict` and the terms above."""
     system = SYSTEMS[plan]
     m = microbatches if pp > 1 else 1
@@ -85,13 +90,26 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     if zero and dp > 1:
         params = max(sm.stage_params(system, shape, tp, pp, head))
         zero_s = sm.allgather_time(1, params * param_bytes, dp, hw) - pred.optimizer_s * (1 - 1 / dp)
+    internode_s = 0.0
+    if dp_across_nodes and dp > 1 and hw.internode_bus_bandwidth:
+        # the gradient all-reduce's ring crosses the nodes: it runs at the slower links' rate
+        params = max(sm.stage_params(system, shape, tp, pp, head))
+        payload = params * wl.grad_bytes
+        slow = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth)
+        internode_s = sm.allreduce_time(1, payload, dp, slow) - sm.allreduce_time(1, payload, dp, hw)
+    if p2p_across_nodes and pp > 1 and hw.internode_bus_bandwidth:
+        # the stages sit on different nodes: the sends go over the slower links
+        tokens = mb * wl.seq
+        slow = replace(hw, p2p_bandwidth=hw.internode_bus_bandwidth)
+        internode_s += 2 * (pp - 1) * (sm.p2p_time(tokens, shape, slow, wl.dtype_bytes, system, tp)
+                                       - sm.p2p_time(tokens, shape, hw, wl.dtype_bytes, system, tp))
     schedule_s = 0.0
     if pp > 1 and schedule in ("interleaved_1f1b", "zero_bubble") and stages_per_rank > 1:
         v = stages_per_rank
         stage_s = (pred.iteration_s - pred.optimizer_s - pred.dp_s - pred.p2p_s) / (m + pp - 1)
         schedule_s = -(pp - 1) * stage_s * (1 - 1 / v) + pred.p2p_s * (v - 1)
-    total = pred.iteration_s + recompute_s + zero_s + schedule_s
-    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, pred)
+    total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s
+    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred)
 
 
 def _even(n: int, parts: int) -> list[range]:

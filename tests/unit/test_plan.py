@@ -313,3 +313,31 @@ def test_boost_train_runs_with_parallel_auto(tmp_path, caplog):
         result = run(cfg_of(*FAST, "parallel=auto", "passes=boost_aot_eager", "trainer.steps=2"), tmp_path)
     assert result["status"] == "completed" and result["steps"] == 2
     assert "parallel=auto: chose tp1 dp1 ckpt=" in caplog.text
+
+
+# ----------------------------------------------------------------------------- published settings and clusters
+
+
+def test_the_planner_on_the_published_settings():
+    from boost_compile.plan.published import cluster_choice, published_choices
+
+    choices = {c.model: c for c in published_choices()}
+    assert set(choices) == {"cola-1B", "cola-3B", "cola-7B", "cola-13B"}
+    assert choices["cola-1B"].chosen.layout == choices["cola-1B"].published_layout  # one GPU: one layout
+    for c in choices.values():
+        assert c.chosen.fits and c.chosen.step_s <= c.published_row.step_s
+        assert c.chosen.layout.tp * c.chosen.layout.pp * c.chosen.layout.dp == c.devices
+    big = cluster_choice()
+    assert big.chosen.fits and big.chosen.layout.tp <= 8 and big.layouts > 100
+
+
+def test_a_data_parallel_ring_across_nodes_runs_at_the_network_rate():
+    def step(devices: int, layout: tuple[int, int, int], network: float) -> float:
+        j = job("cola-60m", devices=devices, batch=16, per_node=8)
+        j = replace(j, hardware=replace(j.hardware, internode_bus_bandwidth=network))
+        rows = search(j, checkpoints=("none",))
+        return next(r.step_s for r in rows if (r.layout.tp, r.layout.pp, r.layout.dp, r.layout.zero) == (*layout, 0))
+
+    slow, fast = 20e9, 200e9
+    assert step(16, (1, 1, 16), slow) > step(16, (1, 1, 16), fast)  # the ring spans both nodes
+    assert step(8, (1, 1, 8), slow) == step(8, (1, 1, 8), fast)  # one node: the network is not used
