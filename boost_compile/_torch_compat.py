@@ -210,6 +210,36 @@ def backend_compiler_failed() -> type[Exception]:
     return BackendCompilerFailed
 
 
+# ----------------------------------------------------------------------------- memory
+
+
+#: The profiler's device types whose memory records are host memory (torch's own profiler counts these as CPU).
+HOST_MEMORY_DEVICES = frozenset({"cpu", "mkldnn", "ideep"})
+
+
+def profiler_memory_records(prof: Any) -> list[tuple[int, int, str]]:
+    """``(start_ns, bytes, device)`` of every allocator event a finished
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order (a free is negative;
+    device ``"cpu"``, ``"cuda"``, ...).
+
+    These are the profiler's raw ``[memory]`` records (``kineto_results``): ``prof.events()``
+    adds most of them to the op they fall in (and to every op around it) and lists only the
+    rest, so it cannot give the running total."""
+    records = [
+        (int(e.start_ns()), int(e.nbytes()), e.device_type().name.lower())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    ]
+    return sorted(records, key=lambda r: r[0])
+
+
+def ddp_bucket_bytes(ddp: Any) -> int:
+    """Bytes of a DistributedDataParallel module's gradient buckets, read from its reducer
+    (``_get_zeros_like_grad_buckets``: a zero tensor of each bucket's shape, made here and dropped)."""
+    buckets = ddp.reducer._get_zeros_like_grad_buckets()
+    return sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+
+
 # ----------------------------------------------------------------------------- modules and collectives
 
 

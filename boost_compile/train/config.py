@@ -310,6 +310,11 @@ class TrainerConfig:
     """A tqdm bar when stderr is a terminal (``auto``), else periodic lines."""
     plot: bool = True
     """Draw ``loss.png`` at the end."""
+    memory_report: bool = False
+    """Every rank writes ``memory_rank{R}.json`` into the run folder: its measured bytes of
+    params, grads, optimizer state, DDP buckets, the activations its compiled graphs save per
+    micro-batch (``passes=boost``; compiles skip the caches), and the peak of the last step
+    (a memory profile): :mod:`boost_compile.train.memory_report`."""
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")

@@ -28,6 +28,7 @@ from boost_compile.train.collective_errors import reported_collectives, step_col
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.data import PackedTokens, load_corpus, make_loaders
 from boost_compile.train.faults import faults_from_env
+from boost_compile.train.memory_report import MemoryReport
 from boost_compile.train.metrics import (
     METRICS_FILE,
     PLOT_FILE,
@@ -119,6 +120,8 @@ class Trainer:
         self.ckpt: Checkpointer | None = None
         self.start = 0  # the step a resumed checkpoint was saved after
         self.state: dict[str, int] | None = None  # bytes of params, grads, optimizer state (first step)
+        # trainer.memory_report: memory_rank{R}.json, the last step profiled (inert when off)
+        self.memory_report = MemoryReport(tc.trainer.memory_report, run_dir, dev.rank, tc.trainer.steps, dev.device)
 
     def autocast(self) -> Any:
         if self.tc.trainer.precision == "bf16-mixed":
@@ -137,9 +140,11 @@ class Trainer:
             return self._fit_pipeline(train_data, val_data)
         example = train_data.batch(0, 0)[0].to(dev.device) if dev.tp > 1 else None
         parts = build_model_parts(
-            tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data)
+            tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data),
+            recorder=self.memory_report.recorder,
         )
         assert self.optimizer is not None
+        self.memory_report.bind(parts.model, self.optimizer, parts.train_fn)
         self._describe(parts.model)
         step = make_train_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
         return self.train(step, train_data, val_data, parts.eval_fn)
@@ -154,8 +159,10 @@ class Trainer:
 
         tc, dev = self.tc, self.dev
         with stage_recompile_limit(tc):
-            parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data))
+            parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data),
+                                         recorder=self.memory_report.recorder)
             assert self.optimizer is not None
+            self.memory_report.bind(parts.model, self.optimizer)
             self._describe(parts.model, parts.total_params)
             step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
             return self.train(step, train_data, val_data, parts.eval_fn)
@@ -227,7 +234,8 @@ class Trainer:
                 for step in range(start + 1, tr.steps + 1):
                     inputs, targets = next(train_data)
                     self.faults.before_step(step)
-                    with reported_collectives(dev, f"the training step ({collectives})", step, timeout_s):
+                    with (reported_collectives(dev, f"the training step ({collectives})", step, timeout_s),
+                          self.memory_report.step(step)):
                         out = step_fn(inputs.to(dev.device), targets.to(dev.device))
                     self.faults.after_step(step)
                     ckpt.poll()
@@ -275,6 +283,7 @@ class Trainer:
             progress.close()
             metrics.close(failed=status == "failed")
         total_s = time.perf_counter() - begin
+        self.memory_report.write(self.state)
         return self._finish(history, val_loss, first_step_s, steady_s, total_s, memory.mib, status, stopper.signum, ckpt)
 
     def _evaluate(self, eval_fn: nn.Module, data: PackedTokens, step: int, metrics: MetricsWriter, progress: Progress) -> float:

@@ -12,6 +12,7 @@ decided): a TP group is consecutive ranks, then dp, pp outermost.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from boost_compile.config import ConfigError
+from boost_compile.backend import Recorder, compile_graph
+from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import build_model
 from boost_compile.train.validate import ModelShape, env_world_size
@@ -196,16 +198,25 @@ def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Ten
     log.info("%s", report)
 
 
-def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = None) -> nn.Module:
+def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = None,
+                  recorder: Recorder | None = None) -> nn.Module:
     """``torch.compile`` with ``passes.backend`` (``none``: the model itself).
 
     ``dynamic=False`` for pipeline stages: the stages of one rank share their
     class's ``forward``, and Dynamo would make the second stage's shapes
     symbolic (automatic dynamic shapes on a recompile of the same code).
+    ``recorder`` (``trainer.memory_report``): the boost backend records each graph
+    it compiles there (the partitioned graphs' saved tensors), the compile caches off.
     """
     passes = tc.passes
     if passes.backend == "none":
         return model
+    if passes.backend == "boost" and recorder is not None:
+        from boost_compile.train.memory_report import uncached
+
+        config = BoostConfig.from_options(dict(passes.options))
+        backend = uncached(functools.partial(compile_graph, config=config, recorder=recorder))
+        return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
     if passes.backend == "boost":
         return torch.compile(model, backend="boost", options=dict(passes.options), fullgraph=passes.fullgraph,
                              dynamic=dynamic)
@@ -256,6 +267,7 @@ def build_model_parts(
     example: torch.Tensor | None = None,
     *,
     before_compile: Callable[[nn.Module], None] | None = None,
+    recorder: Recorder | None = None,
 ) -> ModelParts:
     """Build the model, shard it over tp, cast it, compile it and wrap it for dp.
 
@@ -264,6 +276,7 @@ def build_model_parts(
     called with the model once its parameters are final (sharded, cast) and
     before compilation and DDP: the optimizer and a resumed checkpoint bind
     the parameters there, as DDP's DTensor transform replaces them.
+    ``recorder``: see :func:`compile_model`.
     """
     model = build_model(tc, shape, dev.device)
     if dev.tp > 1:
@@ -273,7 +286,7 @@ def build_model_parts(
     cast_weights(model, tc.trainer.precision)
     if before_compile is not None:
         before_compile(model)
-    compiled = compile_model(model, tc)
+    compiled = compile_model(model, tc, recorder=recorder)
     train_fn = wrap_data_parallel(compiled, model, dev)
     eval_fn = compiled if dev.tp > 1 else model  # a TP model runs only through the backend
     return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from boost_compile import _torch_compat as compat
+from boost_compile.backend import Recorder
 from boost_compile.config import ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model
@@ -205,9 +206,11 @@ def build_pipeline_parts(
     dev: Dist,
     *,
     before_compile: Callable[[nn.Module], None] | None = None,
+    recorder: Recorder | None = None,
 ) -> PipelineParts:
     """Build the model, keep this rank's stages, shard them over tp, cast, bind (``before_compile``),
-    compile, schedule. Run it, and the steps, inside ``stage_recompile_limit(tc)``."""
+    compile (into ``recorder`` too: see :func:`~boost_compile.train.parallel.compile_model`), schedule.
+    Run it, and the steps, inside ``stage_recompile_limit(tc)``."""
     from boost_compile.distributed.pipeline import (
         PipelineError,
         build_schedule,
@@ -237,7 +240,7 @@ def build_pipeline_parts(
     holder = StageParameters(stages, prefix)
     if before_compile is not None:
         before_compile(holder)
-    compiled = [compile_model(stage, tc, dynamic=False) for stage in stages]
+    compiled = [compile_model(stage, tc, dynamic=False, recorder=recorder) for stage in stages]
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     loss = loss_fn
     if dev.tp > 1 and num_stages - 1 in indices:

@@ -1,0 +1,114 @@
+"""``trainer.memory_report``: each term of ``memory_rank0.json`` against what it must be, and
+``boost_compile.bench.plan_measure`` running a layout's job.
+
+The runs are the tiny preset in one process, 3 steps of 4 x 32 tokens, the boost backend with
+aot_eager (its partitioner reports what the forward saves as Inductor's does), a few seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import FAST, cfg_of
+
+import boost_compile as bc
+from boost_compile.bench import plan_measure
+from boost_compile.train import run
+from boost_compile.train.memory_report import peak_of
+
+RUN = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.steps=3", "checkpoint.enabled=false")
+
+
+def _report(tmp: Path, *overrides: str) -> dict:
+    summary = run(cfg_of(*RUN, "trainer.memory_report=true", *overrides), tmp)
+    assert summary["status"] == "completed" and summary["steps"] == 3
+    return json.loads((tmp / "memory_rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, dict]:
+    """The report of checkpoint none and of full."""
+    return {mode: _report(tmp_path_factory.mktemp(mode), f"+passes.options.checkpoint={mode}") for mode in ("none", "full")}
+
+
+def test_state_terms_are_the_tensors(reports):
+    """fp32 weights and gradients, AdamW's two moments and its step counter per tensor, no DDP."""
+    params = list(bc.models.Llama(bc.models.LlamaConfig.preset("tiny")).parameters())
+    numel = sum(p.numel() for p in params)
+    for report in reports.values():
+        assert report["params"] == 4 * numel
+        assert report["grads"] == report["params"]
+        assert report["optimizer"] == 2 * report["params"] + 4 * len(params)  # exp_avg, exp_avg_sq; step (fp32 scalar)
+        assert report["dp_buckets"] == 0
+
+
+def test_saved_activations_come_from_the_partitioned_graph(reports):
+    none, full = reports["none"], reports["full"]
+    for report in (none, full):
+        assert report["graphs"] == 1 and len(report["saved_per_graph"]) == 1
+        assert report["saved_activations"] > 0
+        assert report["saved_activations"] == sum(report["saved_by_block"].values()) == report["saved_per_graph"][0]
+        assert set(report["saved_by_block"]) == {"-", "layers.0", "layers.1"}
+    assert full["saved_activations"] < none["saved_activations"]
+    for block in ("layers.0", "layers.1"):  # full keeps a block's input only: far less than a quarter
+        assert full["saved_by_block"][block] * 4 < none["saved_by_block"][block]
+
+
+def test_peak_is_the_profiled_step(reports):
+    """The profile sees the compiled step's allocations: at least its saved activations and its
+    gradients above the start, and every byte it allocated freed again by the step's end."""
+    for report in reports.values():
+        assert report["profiled_step"] == 3 and report["allocator_events"] > 0 and report["compiled_during_profile"] == 0
+        terms = report["baseline_terms"]
+        assert terms == {"params": report["params"], "grads": 0, "optimizer": report["optimizer"], "dp_buckets": 0}
+        assert report["baseline"] == sum(terms.values())
+        assert report["peak"] == report["baseline"] + report["peak_above_start"]
+        assert report["peak"] >= report["baseline"] and report["peak_above_start"] > 0
+        assert report["peak_above_start"] >= max(report["saved_activations"], report["grads"])
+        assert report["end_above_start"] == 0
+    assert reports["full"]["peak_above_start"] < reports["none"]["peak_above_start"]
+
+
+def test_off_writes_no_report(tmp_path):
+    summary = run(cfg_of(*RUN), tmp_path)
+    assert summary["status"] == "completed"
+    assert not list(tmp_path.glob("memory_rank*.json"))
+
+
+def test_peak_of_is_the_running_maximum():
+    records = [(0, 100, "cpu"), (1, 50, "cuda"), (2, -100, "cpu"), (3, 30, "mkldnn"), (4, -30, "cpu"), (5, -8, "cpu")]
+    assert peak_of(records, "cpu") == (100, -8)
+    assert peak_of(records, "cuda") == (50, 50)
+
+
+def test_layout_label_and_command(tmp_path):
+    layout = {"tp": 2, "pp": 1, "dp": 1, "zero": 0, "microbatches": 1, "schedule": "1f1b", "checkpoint": "none",
+              "plan": "btp"}
+    assert plan_measure.label(layout) == "tp2-pp1-dp1-z0-mb1-1f1b-none-btp"
+    cmd = plan_measure.command(layout, tmp_path, ["model=tiny"])
+    assert cmd[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
+    assert "parallel.microbatches=null" in cmd and "++passes.options.checkpoint=none" in cmd
+    assert cmd[-2:] == [f"hydra.run.dir={tmp_path}", "model=tiny"]
+    pp = plan_measure.command({"pp": 2, "dp": 2, "microbatches": 4, "checkpoint": "full"}, tmp_path, [])
+    assert "--nproc-per-node" in pp and pp[pp.index("--nproc-per-node") + 1] == "4"
+    assert "parallel.microbatches=4" in pp and "++passes.options.checkpoint=full" in pp
+    assert "torch.distributed.run" not in plan_measure.command({}, tmp_path, [])
+    with pytest.raises(ValueError, match="unknown layout key"):
+        plan_measure.label({"tp": 1, "sp": 2})
+
+
+def test_measure_one_process_and_a_failing_job(tmp_path):
+    model = ["model=tiny", "passes=boost_aot_eager", "trainer.batch=4", "trainer.seq=32", "data.max_bytes=200000"]
+    good, bad = plan_measure.measure([{"checkpoint": "lowrank"}, {"tp": 1, "plan": "nope"}], out_dir=tmp_path,
+                                     model_overrides=model)
+    assert good["error"] is None, good["error"]
+    assert good["label"] == "tp1-pp1-dp1-z0-mb1-1f1b-lowrank-auto"
+    (rank0,) = good["ranks"]
+    assert rank0 == json.loads((tmp_path / good["label"] / "memory_rank0.json").read_text())
+    assert good["memory"] == {t: rank0[t] for t in plan_measure.TERMS}
+    assert good["step_s"] > 0 and good["step_s_unprofiled"] > 0
+    assert "boost_compile.train" in good["command"] and "trainer.memory_report=true" in good["command"]
+    assert bad["error"].startswith("exit status") and "nope" in bad["error"]
+    assert "memory" not in bad
