@@ -153,9 +153,12 @@ def zero_share(numels: list[int], dp: int) -> int:
 def memory(
     spec: ModelSpec, plan: str, *, tp: int, pp: int, dp: int, zero: int, microbatches: int, schedule: str,
     checkpoint: str, batch: int, seq: int, precision: str = "fp32", stages_per_rank: int = 1,
-    vocab_parallel: bool = True,
+    vocab_parallel: bool = True, pp_rank: int | None = None,
 ) -> Memory:
-    """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences."""
+    """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences.
+
+    The busiest pipeline rank's (the highest peak), or ``pp_rank``'s.
+    """
     prec = PRECISIONS[precision]
     stages = stage_blocks(spec, pp * stages_per_rank)
     replica = batch // dp
@@ -163,7 +166,7 @@ def memory(
     tokens = replica // m * seq
     tensors = spec.tensors()
     best: Memory | None = None
-    for rank in range(pp):  # pipeline rank r holds stages r, r + pp, ...
+    for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
         mine = [stages[i] for i in range(rank, len(stages), pp)]
         blocks = {b for s in mine for b in s}
         first, last = 0 in [stages.index(s) for s in mine], len(stages) - 1 in [stages.index(s) for s in mine]
@@ -175,13 +178,15 @@ def memory(
         per_block += RNG_STATE_BYTES if checkpoint != "none" else 0
         flight = in_flight(schedule, pp, m, rank, stages_per_rank)
         saved_mb = per_block * len(blocks)
-        head = head_temp = 0.0
+        head_mb = loss_mb = head_temp = 0.0
         vocab = -(-spec.vocab_size // tp) if vocab_parallel else spec.vocab_size
         if last:
             # the final norm's input (whole d: the last block's output, all-gathered under btp) and its
             # statistic (its output is recomputed), and the log-softmax of the local logits
-            head = (tokens * (spec.dim + 1) * prec.activations + tokens * vocab * LOSS_BYTES) * flight
+            loss_mb = tokens * vocab * LOSS_BYTES
+            head_mb = tokens * (spec.dim + 1) * prec.activations + loss_mb
             head_temp = 2 * tokens * vocab * LOSS_BYTES  # the logits and their gradient at the backward's start
+        head = head_mb * flight
         stream_src = tokens * (spec.dim / tp if plan == "btp" else spec.dim) * prec.activations if first else 0.0
         activations = (saved_mb + stream_src) * flight
         update = (opt // 2) * prec.optimizer  # AdamW's temporary: one tensor the size of the share it steps
@@ -200,7 +205,8 @@ def memory(
         live = ("params", "optimizer", "dp_buckets", "temporary") + (
             ("activations", "head") if phase == "backward" else ("grads",))
         mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
-                     {"tokens_per_microbatch": tokens, "pp_rank": rank})
+                     {"tokens_per_microbatch": tokens, "pp_rank": rank, "loss_per_microbatch": loss_mb,
+                      "saved_per_microbatch": saved_mb + stream_src + head_mb})
         if best is None or mem.peak > best.peak:
             best = mem
     assert best is not None

@@ -16,7 +16,7 @@ from boost_compile.bench.hardware import load_hardware
 from boost_compile.bench.scale import PUBLISHED
 from boost_compile.bench.scale_model import SHAPES
 from boost_compile.plan.memory import GIB
-from boost_compile.plan.model import ModelSpec
+from boost_compile.plan.model import ModelSpec, from_preset
 from boost_compile.plan.search import Job, Layout, Row, best, price, search
 
 #: usable share of an A100-80GB or H200 (the rest: CUDA context, allocator fragmentation)
@@ -28,6 +28,15 @@ def paper_spec(name: str) -> ModelSpec:
     """The CoLA model of a BOOST.md shape (r = d / 4, vocabulary 32000)."""
     s = next(s for s in SHAPES if s.name == name)
     return ModelSpec(f"cola-{name}", s.d, s.layers, s.heads, s.heads, s.d_ff, s.vocab, "cola", s.rank, s.rank)
+
+
+def model_args(spec: ModelSpec) -> tuple[str, ...]:
+    """boost-train's model overrides for a paper shape: the cola-7b preset with its widths changed."""
+    fields = {"dim": spec.dim, "n_layers": spec.n_layers, "n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads,
+              "ffn_dim": spec.ffn_dim, "rank_attn": spec.rank_attn, "rank_mlp": spec.rank_mlp}
+    base = from_preset("cola-7b")
+    changed = [f"+model.overrides.{k}={v}" for k, v in fields.items() if getattr(base, k) != v]
+    return ("model.preset=cola-7b", *changed)
 
 
 @dataclass(frozen=True)
@@ -53,7 +62,7 @@ def published_choices(batch: int = 4, seq: int = 4096) -> list[Choice]:
     out = []
     for row in PUBLISHED:
         spec = paper_spec(row.model)
-        job = Job(spec, batch, seq, row.gpus, 8, hw, USABLE * hw.memory_gib * GIB, PRECISION, (f"model={spec.name}",))
+        job = Job(spec, batch, seq, row.gpus, 8, hw, USABLE * hw.memory_gib * GIB, PRECISION, model_args(spec))
         rows = search(job)
         layout = Layout(row.tp, row.pp, 1, 0, 1, "gpipe" if row.pp > 1 else "1f1b", "none", "btp")
         out.append(Choice(spec.name, row.gpus, layout, price(job, layout), row.btp, best(rows, job), len(rows)))
@@ -63,7 +72,7 @@ def published_choices(batch: int = 4, seq: int = 4096) -> list[Choice]:
 def cluster_choice(model: str = "7B", devices: int = 64, per_node: int = 8, batch: int = 64, seq: int = 4096) -> Choice:
     hw = load_hardware("h200")
     spec = paper_spec(model)
-    job = Job(spec, batch, seq, devices, per_node, hw, USABLE * hw.memory_gib * GIB, PRECISION, (f"model={spec.name}",))
+    job = Job(spec, batch, seq, devices, per_node, hw, USABLE * hw.memory_gib * GIB, PRECISION, model_args(spec))
     rows = search(job)
     return Choice(spec.name, devices, None, None, None, best(rows, job), len(rows))
 

@@ -1,0 +1,212 @@
+"""``boost-bench plan``: the layout planner's predictions beside the same layouts run here.
+
+Each layout of :data:`LAYOUTS` (a cola-60m-shaped model, byte tokens, fp32) runs as a
+real boost-train job with ``trainer.memory_report=true``
+(:mod:`boost_compile.bench.plan_measure`), and its measured terms stand beside the
+planner's (:mod:`boost_compile.plan`):
+
+- states (params, grads, optimizer state, DDP buckets): tensor accounting of the
+  rank's local tensors (DDP's buckets from its reducer);
+- saved activations per micro-batch: the partitioned graphs of every compiled graph
+  of the rank (under a pipeline the loss runs eagerly, outside them, so the
+  prediction leaves the log-softmax out there too);
+- the peak: a memory profile of the last step (the profiler's allocator records)
+  above what was live when it began, plus that;
+- the step: the mean of the steady steps, neither the compiling first nor the profiled last.
+
+Then the planner's ranking of the two-process layouts against the measured one
+(Kendall tau), its first choice for two processes (run too, if not among them),
+its choice under a memory cap that excludes the fastest, and its choices on
+BOOST.md section 6's settings (:mod:`boost_compile.plan.published`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import asdict
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+from boost_compile.bench import plan_measure
+from boost_compile.bench.hardware import load_hardware
+from boost_compile.bench.results import Result, Target, bar_chart
+from boost_compile.plan.memory import GIB, memory
+from boost_compile.plan.model import from_preset
+from boost_compile.plan.published import cluster_choice, published_choices, why
+from boost_compile.plan.search import Job, Layout, best, price, search
+
+MIB = 2**20
+#: the issue's layouts: one process in each checkpoint mode, and two processes every way
+LAYOUTS = (
+    Layout(1, 1, 1, checkpoint="none"),
+    Layout(1, 1, 1, checkpoint="lowrank"),
+    Layout(1, 1, 1, checkpoint="full"),
+    Layout(2, 1, 1, checkpoint="none", plan="btp"),
+    Layout(2, 1, 1, checkpoint="lowrank", plan="btp"),
+    Layout(1, 2, 1, microbatches=2, schedule="1f1b"),
+    Layout(1, 2, 1, microbatches=4, schedule="1f1b"),
+    Layout(1, 2, 1, microbatches=4, schedule="gpipe"),
+    Layout(1, 1, 2),
+    Layout(1, 1, 2, zero=1),
+    Layout(1, 1, 2, checkpoint="lowrank"),
+)
+STATE_TERMS = ("params", "grads", "optimizer", "dp_buckets")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="cola-60m")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=6, help="steps per job: the first compiles, the last is profiled")
+    p.add_argument("--runs", default=None, help="folder of the jobs' run folders (default: a temporary one)")
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a of two orderings of the same items: (concordant - discordant) / pairs."""
+    pairs = list(combinations(range(len(a)), 2))
+    score = sum((1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0) for i, j in pairs)
+    return score / len(pairs) if pairs else 1.0
+
+
+def _as_measure(lo: Layout) -> dict[str, Any]:
+    return {"tp": lo.tp, "pp": lo.pp, "dp": lo.dp, "zero": lo.zero, "microbatches": lo.microbatches, "schedule": lo.schedule,
+            "checkpoint": lo.checkpoint, "plan": lo.plan if lo.tp > 1 else "auto"}
+
+
+def _predicted(job: Job, lo: Layout) -> dict[str, Any]:
+    """Per pipeline rank: the planner's terms (bytes), its saved bytes per micro-batch and peak."""
+    ranks = []
+    for r in range(lo.pp):
+        m = memory(job.spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
+                   schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
+                   pp_rank=r)
+        saved = m.details["saved_per_microbatch"] - (m.details["loss_per_microbatch"] if lo.pp > 1 else 0)
+        ranks.append({**m.terms, "saved_activations": saved, "peak": m.peak})
+    return {"ranks": ranks, "step_s": price(job, lo).step_s}
+
+
+def _errors(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, float]:
+    """Relative error of each term, the worst over the pipeline ranks (terms of 0 bytes both sides: 0)."""
+    out: dict[str, float] = {}
+    for term in (*STATE_TERMS, "saved_activations", "peak"):
+        worst = 0.0
+        for p, m in zip(pred["ranks"], meas["ranks"], strict=False):  # pipeline rank r: the first dp/tp rank's report
+            mv = m.get(term)
+            if mv is None or (mv == 0 and p[term] == 0):
+                continue
+            worst = max(worst, abs(p[term] - mv) / max(mv, 1))
+        out[term] = worst
+    return out
+
+
+def _rank_reports(row: dict[str, Any], lo: Layout) -> list[dict[str, Any]]:
+    """One measured report per pipeline rank (ranks are pp-major: the first of each stage's group)."""
+    group = lo.tp * lo.dp
+    return [row["ranks"][r * group] for r in range(lo.pp)]
+
+
+def run(args: argparse.Namespace) -> Result:
+    spec = from_preset(args.preset, vocab_size=256)  # byte tokens: boost-train pads the vocabulary to 256
+    hw = load_hardware("cpu")
+    jobs = {n: Job(spec, args.batch, args.seq, n, n, hw, hw.memory_gib * GIB, "fp32", (f"model={args.preset}",)) for n in (1, 2)}
+    first = best(search(jobs[2]), jobs[2]).layout
+    layouts = list(LAYOUTS) + ([first] if first not in LAYOUTS else [])
+    runs = Path(args.runs or tempfile.mkdtemp(prefix="boost-plan-"))
+    overrides = [f"model={args.preset}", f"trainer.batch={args.batch}", f"trainer.seq={args.seq}"]
+    measured = plan_measure.measure([_as_measure(lo) for lo in layouts], out_dir=runs, model_overrides=overrides, steps=args.steps)
+    rows = []
+    for lo, meas in zip(layouts, measured, strict=True):
+        n = lo.tp * lo.pp * lo.dp
+        pred = _predicted(jobs[n], lo)
+        row = {"layout": asdict(lo), "label": lo.label(), "processes": n, "predicted": pred, "error": meas["error"],
+               "command": meas["command"]}
+        if not meas["error"]:
+            reports = _rank_reports(meas, lo)
+            row["measured"] = {"ranks": [{k: r.get(k) for k in (*STATE_TERMS, "saved_activations", "peak")} for r in reports],
+                               "step_s": meas["step_s_unprofiled"] or meas["step_s"]}
+            row["errors"] = _errors(pred, row["measured"])
+        rows.append(row)
+    ok = [r for r in rows if "measured" in r]
+    two = [r for r in ok if r["processes"] == 2]
+    tau = kendall_tau([r["predicted"]["step_s"] for r in two], [r["measured"]["step_s"] for r in two])
+    best_measured = min(r["measured"]["step_s"] for r in two) if two else float("nan")
+    chosen = next((r for r in two if r["layout"] == asdict(first)), None)
+    # a cap under the fastest two-process layout's predicted peak: the planner must move
+    fastest = best(search(jobs[2]), jobs[2])
+    cap_gib = fastest.memory_gib * 0.8
+    capped_job = Job(spec, args.batch, args.seq, 2, 2, hw, cap_gib * GIB, "fp32")
+    capped = best(search(capped_job), capped_job).layout
+    if not any(r["layout"] == asdict(capped) for r in ok):
+        extra = plan_measure.measure([_as_measure(capped)], out_dir=runs, model_overrides=overrides, steps=args.steps)[0]
+        if not extra["error"]:
+            reports = _rank_reports(extra, capped)
+            ok.append({"layout": asdict(capped), "label": capped.label(), "processes": 2, "predicted": _predicted(jobs[2], capped),
+                       "measured": {"ranks": reports, "step_s": extra["step_s_unprofiled"] or extra["step_s"]}})
+    capped_row = next((r for r in ok if r["layout"] == asdict(capped)), None)
+    capped_peak = max(r["peak"] for r in capped_row["measured"]["ranks"]) / GIB if capped_row else float("nan")
+
+    lines = [
+        f"Layout planner against measured runs: {args.preset} (d {spec.dim}, {spec.n_layers} layers, vocab 256), batch "
+        f"{args.batch} x seq {args.seq}, fp32, boost (inductor), one thread per process, {args.steps} steps per job; the "
+        "cpu hardware file. Memory per device in MiB, predicted / measured (error), the worst pipeline rank.",
+        "",
+        "| layout | procs | params | grads | optimizer | DDP buckets | saved activations / micro-batch | peak | "
+        "step predicted (s) | step measured (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "measured" not in r:
+            lines.append(f"| {r['label']} | {r['processes']} | failed: {r['error'].splitlines()[0]} |")
+            continue
+        p, m = r["predicted"]["ranks"], r["measured"]["ranks"]
+        cells = []
+        for term in (*STATE_TERMS, "saved_activations", "peak"):
+            pv, mv = max(x[term] for x in p), max(x[term] or 0 for x in m)
+            cells.append(f"{pv / MIB:.2f} / {mv / MIB:.2f} ({r['errors'][term]:+.1%})" if mv or pv else "0 / 0")
+        lines.append(f"| {r['label']} | {r['processes']} | " + " | ".join(cells)
+                     + f" | {r['predicted']['step_s']:.3f} | {r['measured']['step_s']:.3f} |")
+    lines += ["", f"Ranking of the {len(two)} two-process layouts: Kendall tau {tau:.2f} (predicted order against measured).",
+              f"The planner's first choice for 2 processes: {first.label()}, measured "
+              + (f"{chosen['measured']['step_s']:.3f} s against the measured best {best_measured:.3f} s." if chosen else "(failed)."),
+              f"Under a cap of {cap_gib * 1024:.0f} MiB (80% of the fastest layout's predicted {fastest.memory_gib * 1024:.0f} MiB) "
+              f"it picks {capped.label()}, measured peak {capped_peak * 1024:.0f} MiB.", ""]
+    lines += published_lines()
+    worst_term = max((e for r in ok if "errors" in r for t, e in r["errors"].items() if t != "peak"), default=float("nan"))
+    worst_peak = max((r["errors"]["peak"] for r in ok if "errors" in r), default=float("nan"))
+    targets = [
+        Target("memory: the worst term's relative error (states, saved activations)", worst_term, 0.10, False),
+        Target("memory: the worst peak's relative error", worst_peak, 0.15, False),
+        Target("time: Kendall tau of the two-process layouts", tau, 0.8, True),
+        Target("time: the first choice's measured step / the measured best",
+               chosen["measured"]["step_s"] / best_measured if chosen else float("nan"), 1.10, False),
+        Target("cap: the capped choice's measured peak / the cap", capped_peak / cap_gib, 1.0, False),
+    ]
+    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows, "tau": tau,
+            "first_choice": asdict(first), "cap_gib": cap_gib, "capped_choice": asdict(capped), "capped_peak_gib": capped_peak}
+    return Result("plan", "Layout planner", "\n".join(lines), data, targets)
+
+
+def published_lines() -> list[str]:
+    """BOOST.md section 6's settings: the planner's choice beside the published layout, and 64 H200."""
+    lines = ["BOOST.md section 6 (A100-80GB, batch 4 x 4096, bf16-mixed memory, 90% of each GPU usable): the published "
+             "layout and the planner's choice, both priced by the planner.", "",
+             "| model | GPUs | published layout | predicted (published s) | planner's choice | predicted | memory (GiB) | gain | why |",
+             "|---|---:|---|---:|---|---:|---:|---:|---|"]
+    for c in published_choices():
+        pub = c.published_row
+        lines.append(f"| {c.model} | {c.devices} | {c.published_layout.label()} | {pub.step_s:.3f} ({c.published_s:.2f}) | "
+                     f"{c.chosen.layout.label()} | {c.chosen.step_s:.3f} | {c.chosen.memory_gib:.1f} | {c.gain:.2f}x | {why(c)} |")
+    big = cluster_choice()
+    lines += ["", f"cola-7B on 64 H200 (8 per node), batch 64 x 4096: {big.chosen.layout.label()}, predicted "
+              f"{big.chosen.step_s:.3f} s, {big.chosen.memory_gib:.1f} GiB per GPU (of {big.layouts} layouts priced).",
+              f"Its command: `{big.chosen.command}`"]
+    return lines
+
+
+def chart(result: Result, path: str) -> None:
+    rows = [r for r in result.data["rows"] if "measured" in r]
+    bar_chart(path, "Planner: predicted / measured", [r["label"] for r in rows],
+              {"peak": [max(x["peak"] for x in r["predicted"]["ranks"]) / max(x["peak"] for x in r["measured"]["ranks"]) for r in rows],
+               "step": [r["predicted"]["step_s"] / r["measured"]["step_s"] for r in rows]}, "predicted / measured", ref=1.0)
