@@ -16,12 +16,14 @@ Per rank (the busiest one: the pipeline stage and data-parallel rank that hold t
   logits and their log-softmax in fp32 on the local vocabulary, the final norm's
   input and output);
 - ``temporary``: the largest transient of a step: the logits' gradient at the
-  start of the backward, or the optimizer's update (one tensor of the size of the
-  local parameters, AdamW's ``sqrt`` of the second moment).
+  start of the backward with, under checkpointing, the block being recomputed (what
+  it saves without checkpointing, less what it keeps), or the optimizer's update (one
+  tensor of the size of the local parameters, AdamW's ``sqrt`` of the second moment).
 
 The peak is the persistent part (params, optimizer, buckets) plus the larger of the
-backward's start (activations in flight, the head, the logits' gradient) and the
-optimizer step (gradients and the update's temporary): the sum of the terms live
+backward's start (activations in flight, the head, the logits' gradient, the block
+being recomputed; under a pipeline also the gradients, which the micro-batches
+accumulate into from the first backward on) and the optimizer step (gradients and the update's temporary): the sum of the terms live
 then (:attr:`Memory.live`). ``temporary`` is the transient of that phase.
 """
 
@@ -103,14 +105,16 @@ def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -
     ff_w = ff / p if plan in ("btp", "megatron") else ff
     latent = 7 * r / p if plan == "vanilla" else 7 * r
     activation = 1 if spec.projection == "lowrank" else 2
+    online = plan == "btp" and p > 1 and not spec.dense  # online norms: grouped outputs rescaled by the global rms
     if checkpoint == "none":
-        return 4 * stream + (4 * d + heads) * head_w + activation * latent + 3 * ff_w + stats
+        rescaled = 5 * r if online else 0  # the all-reduced q/k/v and gate/up down outputs before their rescale
+        return 4 * stream + (4 * d + heads) * head_w + activation * latent + 3 * ff_w + stats + rescaled
     if checkpoint == "lowrank":
         if spec.dense:
             return 2 * stream + (d + 2 * kv) * head_w
         if plan == "vanilla" and p > 1:  # the all-reduced outputs the recompute reads: q, k, v, gate, up
             return latent + 2 * d + d + 2 * kv + 2 * ff
-        return latent + 2 * stream
+        return latent + 2 * stream + (stats if online else 0)  # btp: the norms' global statistics
     if checkpoint == "full":
         if p == 1:
             return stream
@@ -184,7 +188,9 @@ def memory(
             # the final norm's input (whole d: the last block's output, all-gathered under btp) and its
             # statistic (its output is recomputed), and the log-softmax of the local logits
             loss_mb = tokens * vocab * LOSS_BYTES
-            head_mb = tokens * (spec.dim + 1) * prec.activations + loss_mb
+            # btp: the all-gathered stream and the final norm's output, both whole d
+            widths = spec.dim + 1 + (spec.dim if plan == "btp" and tp > 1 else 0)
+            head_mb = tokens * widths * prec.activations + loss_mb
             head_temp = 2 * tokens * vocab * LOSS_BYTES  # the logits and their gradient at the backward's start
         head = head_mb * flight
         stream_src = tokens * (spec.dim / tp if plan == "btp" else spec.dim) * prec.activations if first else 0.0
@@ -198,12 +204,19 @@ def memory(
             "activations": int(activations),
             "head": int(head),
         }
-        backward = terms["activations"] + terms["head"] + head_temp
+        # the backward recomputes one block at a time: its tensors that checkpointing did not keep
+        recompute = 0.0
+        if checkpoint != "none" and blocks:
+            recompute = (block_saved_elements(spec, plan, tp, "none") * tokens * prec.activations - per_block)
+        # a pipeline accumulates every micro-batch's gradients into the stage's: they are live from the
+        # first backward on, beside the micro-batches still in flight
+        early_grads = terms["grads"] if pp > 1 else 0
+        backward = terms["activations"] + terms["head"] + head_temp + recompute + early_grads
         at_optimizer = terms["grads"] + update
         phase = "backward" if backward >= at_optimizer else "optimizer"
-        terms["temporary"] = int(head_temp if phase == "backward" else update)
+        terms["temporary"] = int(head_temp + recompute if phase == "backward" else update)
         live = ("params", "optimizer", "dp_buckets", "temporary") + (
-            ("activations", "head") if phase == "backward" else ("grads",))
+            ("activations", "head") + (("grads",) if early_grads else ()) if phase == "backward" else ("grads",))
         mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
                      {"tokens_per_microbatch": tokens, "pp_rank": rank, "loss_per_microbatch": loss_mb,
                       "saved_per_microbatch": saved_mb + stream_src + head_mb})

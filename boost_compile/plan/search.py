@@ -151,7 +151,7 @@ def price(job: Job, layout: Layout) -> Row:
     t = step_time(shape, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, microbatches=lo.microbatches, schedule=lo.schedule,
                   stages_per_rank=lo.stages_per_rank, checkpoint=lo.checkpoint, zero=lo.zero, hw=job.hardware, wl=wl,
                   param_bytes=prec.weights, dp_across_nodes=lo.tp * lo.dp > job.per_node,
-                  p2p_across_nodes=job.devices > job.per_node)
+                  p2p_across_nodes=job.devices > job.per_node, tensors=-(-len(spec.tensors()) // lo.pp))
     mem = memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
                  schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
                  stages_per_rank=lo.stages_per_rank)

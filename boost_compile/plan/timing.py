@@ -16,7 +16,7 @@ mode, ZeRO and a schedule; this module adds what each costs:
   vanilla every down factor).
 - **ZeRO-1** (``zero=1``): each data-parallel rank steps 1/dp of the parameters and
   then all-gathers the updated ones (PyTorch's ZeroRedundancyOptimizer broadcasts
-  each rank's share).
+  each parameter tensor from its owner: ``tensors`` collectives).
 - **nodes**: a data-parallel group spanning nodes (tp x dp ranks of a stage beyond one
   node) all-reduces, and pipeline stages on different nodes send, at the hardware
   file's ``internode_bus_bandwidth``.
@@ -76,7 +76,7 @@ def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, m
 def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str,
               stages_per_rank: int, checkpoint: str, zero: int, hw: Hardware, wl: sm.Workload,
               param_bytes: int, head: str = sm.DEFAULT_HEAD, dp_across_nodes: bool = False,
-              p2p_across_nodes: bool = False) -> StepTime:
+              p2p_across_nodes: bool = False, tensors: int = 1) -> StepTime:
     """The step of one layout: :func:`scale_model.predict` and the terms above."""
     system = SYSTEMS[plan]
     m = microbatches if pp > 1 else 1
@@ -89,7 +89,8 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     zero_s = 0.0
     if zero and dp > 1:
         params = max(sm.stage_params(system, shape, tp, pp, head))
-        zero_s = sm.allgather_time(1, params * param_bytes, dp, hw) - pred.optimizer_s * (1 - 1 / dp)
+        # one broadcast per parameter tensor from its owner (ZeroRedundancyOptimizer without bucket views)
+        zero_s = sm.allgather_time(max(1, tensors), params * param_bytes, dp, hw) - pred.optimizer_s * (1 - 1 / dp)
     internode_s = 0.0
     if dp_across_nodes and dp > 1 and hw.internode_bus_bandwidth:
         # the gradient all-reduce's ring crosses the nodes: it runs at the slower links' rate

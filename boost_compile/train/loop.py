@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from boost_compile import _torch_compat as compat
 from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
 from boost_compile.train.collective_errors import reported_collectives, step_collectives
 from boost_compile.train.config import TrainConfig
@@ -64,9 +65,10 @@ def make_train_step(
     """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule."""
     train_fn = parts.train_fn
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
+    settings = parts.compile_settings
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
-        with autocast():
+        with autocast(), compat.compile_settings(dynamo=settings) if settings else contextlib.nullcontext():
             loss = train_fn(inputs, targets)
         loss.backward()
         loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))  # bf16 up, fp64 kept

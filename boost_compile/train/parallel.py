@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -241,6 +241,19 @@ def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Mod
     )
 
 
+def ddp_compile_settings(tc: TrainConfig, dp: int) -> dict[str, Any]:
+    """Dynamo settings the training step compiles under: one graph under DDP when checkpointing.
+
+    Dynamo cuts a DDP module's graph at its gradient buckets (``optimize_ddp``) so that
+    each bucket's all-reduce can start early. A cut through a block hides the block's
+    structure from the checkpoint pass: that block is left to the partitioner and saves
+    several times what ``lowrank`` or ``full`` keep. With a checkpoint mode the step
+    therefore compiles one graph (the buckets are all-reduced after the backward).
+    """
+    checkpoint = tc.passes.options.get("checkpoint", "none") if tc.passes.backend == "boost" else "none"
+    return {"optimize_ddp": False} if dp > 1 and checkpoint in ("lowrank", "full") else {}
+
+
 @dataclass
 class ModelParts:
     """The model three ways: its parameters, what a training step calls, what evaluation calls."""
@@ -248,6 +261,8 @@ class ModelParts:
     model: nn.Module  # the parameters: the optimizer, checkpoints and gradient clipping use these
     train_fn: nn.Module  # compiled, in DDP when dp > 1
     eval_fn: nn.Module  # compiled with tp (a TP model runs only through the backend), else eager
+    #: Dynamo settings around the calls of ``train_fn`` (:func:`ddp_compile_settings`)
+    compile_settings: dict[str, Any] = field(default_factory=dict)
 
 
 #: the weights' dtype of each precision that casts them (fp32 and bf16-mixed keep fp32 weights)
@@ -289,4 +304,4 @@ def build_model_parts(
     compiled = compile_model(model, tc, recorder=recorder)
     train_fn = wrap_data_parallel(compiled, model, dev)
     eval_fn = compiled if dev.tp > 1 else model  # a TP model runs only through the backend
-    return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn)
+    return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn, compile_settings=ddp_compile_settings(tc, dev.dp))

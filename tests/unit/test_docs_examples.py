@@ -44,7 +44,7 @@ PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell"}
 FENCE = re.compile(r"^```\s*([\w+-]*)\s*$")
 NOT_RUN = re.compile(r"^<!--\s*not-run\b:?\s*(.*?)\s*-->$")
-CLI_LINE = re.compile(r"^(boost-(train|bench|explain|export|generate)\b|python -m boost_compile\b)")
+CLI_LINE = re.compile(r"^(boost-(train|bench|explain|export|generate|plan)\b|python -m boost_compile\b)")
 
 
 @dataclass
