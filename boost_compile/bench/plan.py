@@ -73,7 +73,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def _as_measure(lo: Layout) -> dict[str, Any]:
     return {"tp": lo.tp, "pp": lo.pp, "dp": lo.dp, "zero": lo.zero, "microbatches": lo.microbatches, "schedule": lo.schedule,
-            "checkpoint": lo.checkpoint, "plan": lo.plan if lo.tp > 1 else "auto"}
+            "checkpoint": lo.checkpoint, "plan": lo.plan if lo.tp > 1 else "auto", "stages_per_rank": lo.stages_per_rank}
 
 
 def _predicted(job: Job, lo: Layout) -> dict[str, Any]:
