@@ -22,6 +22,9 @@ from boost_compile.train.validate import tp_available, validate
 
 ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
 DP2 = (*ONE, "parallel=dp2")
+#: DP2 with zero=1, and low-rank checkpointing: a checkpointed DDP step compiles as one graph
+#: (train/parallel.py ddp_compile_settings), which must not change what it computes
+ZERO = (*DP2, "parallel.zero=1", "++passes.options.checkpoint=lowrank")
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,8 @@ def ddp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero(tmp_path_factory):
-    """DP2 with zero=1, checkpoints at steps 3 and 6."""
-    return torchrun(2, [*DP2, "parallel.zero=1"], tmp_path_factory.mktemp("zero") / "run")
+    """DP2 with zero=1 and checkpoint=lowrank, checkpoints at steps 3 and 6."""
+    return torchrun(2, list(ZERO), tmp_path_factory.mktemp("zero") / "run")
 
 
 def test_dp2_matches_single_process(ddp, references):
@@ -66,7 +69,7 @@ def test_tp2_matches_single_process_and_resumes(references, tmp_path):
 
 
 def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, zero, references):
-    assert_train_parity(zero, references, "dp2, zero=1")
+    assert_train_parity(zero, references, "dp2, zero=1, checkpoint=lowrank")
     mine, theirs = zero["state_mib"], ddp["state_mib"]
     print(f"per rank, MiB: DDP {theirs}; ZeRO-1 {mine}")
     assert mine["params"] == theirs["params"] and mine["grads"] == theirs["grads"]
@@ -81,7 +84,7 @@ def test_zero1_checkpoint_resumes_exactly(zero, references, tmp_path):
     4-6 are the uninterrupted run's; in one process (every share read), within the parity rule."""
     checkpoint = Path(zero["run_dir"]) / "checkpoints" / "step_000003"
     resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
-    resumed = torchrun(2, [*DP2, "parallel.zero=1", *resume], tmp_path / "b")
+    resumed = torchrun(2, [*ZERO, *resume], tmp_path / "b")
     assert resumed["start_step"] == 3
     assert resumed["losses"] == pytest.approx(zero["losses"][3:], abs=1e-6, rel=0)
     single = run(cfg_of(*ONE, *resume), tmp_path / "c")
