@@ -382,6 +382,8 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
                                        "configurations: the model's FLOPs / time / peak_flops, geometric mean (per shape "
                                        f"{min(effs):.3f}-{max(effs):.3f})", stamp),
         "attention_head_dim_multiple": {"value": 1, "measured": False, "why": "the CPU flash-attention kernel takes any head dim"},
+        "memory_gib": _entry(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30 / world,
+                             f"this machine's RAM shared by the {world} processes: the layout planner's memory per device", stamp),
         "elementwise_efficiency": _entry(mem["elementwise_efficiency"], "add, mul, SiLU, SiLU backward and RMSNorm at the step's "
                                          "widths: element passes / time, over hbm_bandwidth", stamp),
         "measurements": {"gemm": g["rows"], "attention": att["rows"], "elementwise": mem["rows"], "copy": copy,

@@ -18,6 +18,8 @@ vanilla ~60%, BTP 71-75% |
 | attention_efficiency | 0.50 | 0.45 | fused causal attention forward + backward (FlashAttention-2 reports 50-73% forward on A100) |
 | attention_head_dim_multiple | 32 | 32 | FlashAttention-2 kernels exist for head dims 32, 64, 96, ..., 256 |
 | elementwise_efficiency | 0.70 | 0.70 | unfused PyTorch elementwise kernels reach ~70% of HBM bandwidth |
+| memory_gib | 74.5 | 131.3 | the datasheet's HBM (the layout planner's memory per device) |
+| internode_bus_bandwidth | 22 GB/s | 45 GB/s | ring all-reduce across nodes, one 200 / 400 Gb/s InfiniBand port per GPU (the planner) |
 
 The H200 values are not calibrated against any measurement: they carry the A100
 choices over to the H200 peaks.

@@ -366,7 +366,9 @@ def test_bundled_hardware_files(name, peak, hbm, nvlink):
     hw = hardware.load_hardware(name)
     assert (hw.peak_flops, hw.hbm_bandwidth, hw.nvlink_bandwidth) == (peak, hbm, nvlink)
     assert hw.allreduce_bus_bandwidth < hw.nvlink_bandwidth
-    assert set(hw.notes) == set(hardware.HARDWARE_FIELDS) and all(hw.notes.values())
+    assert set(hardware.HARDWARE_FIELDS) <= set(hw.notes) <= {*hardware.HARDWARE_FIELDS, *hardware.OPTIONAL_HARDWARE_FIELDS}
+    assert all(hw.notes.values())
+    assert hw.memory_gib > 70 and hw.internode_bus_bandwidth < hw.allreduce_bus_bandwidth  # the planner's two fields
     raw = json.loads(
         (importlib.resources.files("boost_compile") / "hardware" / f"{name}.json").read_text()
     )
