@@ -425,4 +425,4 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 def summary(hw: dict[str, Any]) -> str:
     """The constants, one line each."""
     keys = [*hardware.HARDWARE_FIELDS, *hardware.OPTIONAL_HARDWARE_FIELDS]
-    return "\n".join(f"{k}: {hw[k]['value']:.4g}  ({hw[k].get('source') or hw[k].get('why')})" for k in keys)
+    return "\n".join(f"{k}: {hw[k]['value']:.4g}  ({hw[k].get('source') or hw[k].get('why')})" for k in keys if k in hw)
