@@ -21,10 +21,8 @@ from pathlib import Path
 from boost_compile.bench.hardware import HARDWARE_FILES, load_hardware
 from boost_compile.plan.memory import PRECISIONS
 from boost_compile.plan.model import ModelSpec, factorized, from_hf_config, from_preset
-from boost_compile.plan.search import CHECKPOINTS, Job, PlanError, Row, best, search
+from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory
 
-#: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
-USABLE = 0.9
 TERM_LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "dp_buckets": "ddp",
                "activations": "acts", "head": "head", "temporary": "temp"}
 
@@ -102,13 +100,11 @@ def make_job(args: argparse.Namespace) -> Job:
     spec, model_args = load_model(args.model, vocab_size=args.vocab_size)
     if args.rank:
         spec = factorized(spec, args.rank)
-        model_args = (*model_args, "factorize=lowrank", f"factorize.rank={args.rank}")
-    if args.memory_gib is not None:
-        memory = args.memory_gib * 2**30
-    elif hw.memory_gib:
-        memory = USABLE * hw.memory_gib * 2**30
-    else:
-        raise SystemExit(f"boost-plan: the hardware file {hw.name!r} gives no memory_gib; pass --memory-gib")
+        model_args = (*model_args, "factorize.enabled=true", f"factorize.rank={args.rank}")
+    try:
+        memory = usable_memory(hw, args.memory_gib)
+    except ValueError as exc:
+        raise SystemExit(f"boost-plan: {exc} (--memory-gib)") from exc
     precision = args.precision or ("fp32" if hw.name == "cpu" else "bf16-mixed")
     for name in ("devices", "per_node", "batch", "seq"):
         if getattr(args, name) < 1:

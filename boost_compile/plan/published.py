@@ -15,12 +15,9 @@ from dataclasses import dataclass
 from boost_compile.bench.hardware import load_hardware
 from boost_compile.bench.scale import PUBLISHED
 from boost_compile.bench.scale_model import SHAPES
-from boost_compile.plan.memory import GIB
 from boost_compile.plan.model import ModelSpec, from_preset
-from boost_compile.plan.search import Job, Layout, Row, best, price, search
+from boost_compile.plan.search import Job, Layout, Row, best, price, search, usable_memory
 
-#: usable share of an A100-80GB or H200 (the rest: CUDA context, allocator fragmentation)
-USABLE = 0.9
 PRECISION = "bf16-mixed"
 
 
@@ -62,7 +59,7 @@ def published_choices(batch: int = 4, seq: int = 4096) -> list[Choice]:
     out = []
     for row in PUBLISHED:
         spec = paper_spec(row.model)
-        job = Job(spec, batch, seq, row.gpus, 8, hw, USABLE * hw.memory_gib * GIB, PRECISION, model_args(spec))
+        job = Job(spec, batch, seq, row.gpus, 8, hw, usable_memory(hw, None), PRECISION, model_args(spec))
         rows = search(job)
         layout = Layout(row.tp, row.pp, 1, 0, 1, "gpipe" if row.pp > 1 else "1f1b", "none", "btp")
         out.append(Choice(spec.name, row.gpus, layout, price(job, layout), row.btp, best(rows, job), len(rows)))
@@ -72,7 +69,7 @@ def published_choices(batch: int = 4, seq: int = 4096) -> list[Choice]:
 def cluster_choice(model: str = "7B", devices: int = 64, per_node: int = 8, batch: int = 64, seq: int = 4096) -> Choice:
     hw = load_hardware("h200")
     spec = paper_spec(model)
-    job = Job(spec, batch, seq, devices, per_node, hw, USABLE * hw.memory_gib * GIB, PRECISION, model_args(spec))
+    job = Job(spec, batch, seq, devices, per_node, hw, usable_memory(hw, None), PRECISION, model_args(spec))
     rows = search(job)
     return Choice(spec.name, devices, None, None, None, best(rows, job), len(rows))
 

@@ -98,6 +98,22 @@ class Row:
                 "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s}
 
 
+#: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
+USABLE = 0.9
+
+
+def usable_memory(hw: Hardware, memory_gib: float | None) -> float:
+    """Bytes a layout may use per device: ``memory_gib`` if given, else 90% of the hardware file's.
+
+    ValueError naming the fix when neither is known.
+    """
+    if memory_gib is not None:
+        return memory_gib * 2**30
+    if hw.memory_gib:
+        return USABLE * hw.memory_gib * 2**30
+    raise ValueError(f"the hardware file {hw.name!r} gives no memory_gib; give the memory per device")
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 

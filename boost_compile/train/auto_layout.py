@@ -16,9 +16,9 @@ import os
 from typing import Any
 
 from boost_compile.config import ConfigError
-from boost_compile.plan.cli import USABLE, table
+from boost_compile.plan.cli import table
 from boost_compile.plan.model import ModelSpec, factorized, from_hf_config, from_preset
-from boost_compile.plan.search import CHECKPOINTS, Job, PlanError, Row, best, search
+from boost_compile.plan.search import CHECKPOINTS, Job, PlanError, Row, best, search, usable_memory
 from boost_compile.train.config import TrainConfig
 
 log = logging.getLogger("boost_compile.train")
@@ -94,12 +94,10 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
         hw = load_hardware(par.hardware or default_hardware(device_type))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"parallel.hardware={par.hardware!r}: {exc}") from exc
-    if par.memory_gib is not None:
-        memory = par.memory_gib * 2**30
-    elif hw.memory_gib:
-        memory = USABLE * hw.memory_gib * 2**30
-    else:
-        raise ConfigError(f"parallel=auto: the hardware file {hw.name!r} gives no memory_gib; set parallel.memory_gib")
+    try:
+        memory = usable_memory(hw, par.memory_gib)
+    except ValueError as exc:
+        raise ConfigError(f"parallel=auto: {exc} (parallel.memory_gib)") from exc
     spec = model_spec(tc)
     job = Job(spec, tc.trainer.batch, tc.trainer.seq, world, per_node, hw, memory, tc.trainer.precision)
     boost = tc.passes.backend == "boost"
