@@ -89,6 +89,21 @@ def _preset_table() -> dict[str, dict]:
     return table
 
 
+def block_projections(
+    dim: int, kv_dim: int, ffn_dim: int, rank_attn: int | None, rank_mlp: int | None
+) -> dict[str, tuple[int, int, int | None]]:
+    """A Llama block's projections: name -> (d_in, d_out, rank), rank None for a dense one."""
+    return {
+        "q_proj": (dim, dim, rank_attn),
+        "k_proj": (dim, kv_dim, rank_attn),
+        "v_proj": (dim, kv_dim, rank_attn),
+        "o_proj": (dim, dim, rank_attn),
+        "gate_proj": (dim, ffn_dim, rank_mlp),
+        "up_proj": (dim, ffn_dim, rank_mlp),
+        "down_proj": (ffn_dim, dim, rank_mlp),
+    }
+
+
 @dataclass
 class LlamaConfig:
     """Shape and projection kind of a :class:`Llama` model.
@@ -172,17 +187,8 @@ class LlamaConfig:
     def projection_shapes(self) -> dict[str, tuple[int, int, int | None]]:
         """Per-block projection name -> (d_in, d_out, rank); rank is None when dense."""
         dense = self.projection == "dense"
-        ra = None if dense else self.rank_attn
-        rm = None if dense else self.rank_mlp
-        return {
-            "q_proj": (self.dim, self.dim, ra),
-            "k_proj": (self.dim, self.kv_dim, ra),
-            "v_proj": (self.dim, self.kv_dim, ra),
-            "o_proj": (self.dim, self.dim, ra),
-            "gate_proj": (self.dim, self.ffn_dim, rm),
-            "up_proj": (self.dim, self.ffn_dim, rm),
-            "down_proj": (self.ffn_dim, self.dim, rm),
-        }
+        return block_projections(self.dim, self.kv_dim, self.ffn_dim, None if dense else self.rank_attn,
+                                 None if dense else self.rank_mlp)
 
     def num_params(self) -> int:
         """Parameter count computed from the shapes alone (matches ``Llama.num_params``)."""

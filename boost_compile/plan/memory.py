@@ -171,9 +171,9 @@ def memory(
     tensors = spec.tensors()
     best: Memory | None = None
     for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
-        mine = [stages[i] for i in range(rank, len(stages), pp)]
-        blocks = {b for s in mine for b in s}
-        first, last = 0 in [stages.index(s) for s in mine], len(stages) - 1 in [stages.index(s) for s in mine]
+        mine = range(rank, len(stages), pp)  # the indices of this rank's stages
+        blocks = {b for i in mine for b in stages[i]}
+        first, last = 0 in mine, len(stages) - 1 in mine
         held = [t for t in tensors if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
         numels = [local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in held]
         n = sum(numels)

@@ -10,6 +10,7 @@ parameter count).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -85,13 +86,17 @@ class ModelSpec:
 
     def projections(self) -> dict[str, tuple[int, int, int | None]]:
         """Block projection name -> (d_in, d_out, rank or None)."""
-        ra, rm = (None, None) if self.dense else (self.rank_attn, self.rank_mlp)
-        d, kv, ff = self.dim, self.kv_dim, self.ffn_dim
-        return {"q_proj": (d, d, ra), "k_proj": (d, kv, ra), "v_proj": (d, kv, ra), "o_proj": (d, d, ra),
-                "gate_proj": (d, ff, rm), "up_proj": (d, ff, rm), "down_proj": (ff, d, rm)}
+        from boost_compile.models.llama import block_projections
 
-    def tensors(self) -> list[Tensor]:
+        ra, rm = (None, None) if self.dense else (self.rank_attn, self.rank_mlp)
+        return block_projections(self.dim, self.kv_dim, self.ffn_dim, ra, rm)
+
+    def tensors(self) -> tuple[Tensor, ...]:
         """Every parameter, in the reference model's order (a tied head is the embedding: listed once)."""
+        return self._tensors
+
+    @functools.cached_property
+    def _tensors(self) -> tuple[Tensor, ...]:  # the search prices hundreds of layouts of one spec
         d, out = self.dim, [Tensor("embed", (self.vocab_size, self.dim), "embed")]
         norm = [("weight", (d,))] + ([("bias", (d,))] if self.norm == "layernorm" else [])
         for i in range(self.n_layers):
@@ -109,7 +114,7 @@ class ModelSpec:
         out += [Tensor(f"norm.{w}", s, "norm") for w, s in norm]
         if not self.tie_embeddings:
             out.append(Tensor("head", (self.vocab_size, self.dim), "head"))
-        return out
+        return tuple(out)
 
     def num_params(self) -> int:
         return sum(t.numel for t in self.tensors())

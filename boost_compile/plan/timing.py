@@ -82,7 +82,7 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     m = microbatches if pp > 1 else 1
     pred = sm.predict(shape, system, tp, pp, hw, replace(wl, micro_batches=m), head=head, dp=dp)
     mb = wl.batch // dp // m
-    layers = max(len(r) for r in _even(shape.layers, pp))
+    layers = max(sm.stage_layers(shape.layers, pp))
     # the busiest stage recomputes its layers for each micro-batch (on the critical path m + pp - 1 times)
     per_mb = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl) * layers
     recompute_s = per_mb * (m + pp - 1)
@@ -112,12 +112,3 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s
     return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred)
 
-
-def _even(n: int, parts: int) -> list[range]:
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        size = base + (i < extra)
-        out.append(range(start, start + size))
-        start += size
-    return out

@@ -57,14 +57,17 @@ def planned_vocab(tc: TrainConfig, model_vocab: int) -> int:
 def model_spec(tc: TrainConfig) -> ModelSpec:
     """The planner's view of ``model=`` (and ``factorize=``)."""
     m = tc.model
-    if m.preset:
-        spec = from_preset(m.preset, **{k: v for k, v in m.overrides.items() if k != "vocab_size"})
-    elif m.hf_path:
-        spec = from_hf_config(m.hf_path)
-    elif m.hf_config:
-        spec = from_hf_config(dict(m.hf_config))
-    else:
-        raise ConfigError("parallel=auto needs model.preset, model.hf_path or model.hf_config")
+    try:
+        if m.preset:
+            spec = from_preset(m.preset, **{k: v for k, v in m.overrides.items() if k != "vocab_size"})
+        elif m.hf_path:
+            spec = from_hf_config(m.hf_path)
+        elif m.hf_config:
+            spec = from_hf_config(dict(m.hf_config))
+        else:
+            raise ConfigError("parallel=auto needs model.preset, model.hf_path or model.hf_config")
+    except (ValueError, OSError) as exc:  # a model the planner cannot price: say so, name the way out
+        raise ConfigError(f"parallel=auto: {exc}; give the layout instead (parallel=tp2, parallel.dp=..., ...)") from exc
     spec = spec.with_vocab(planned_vocab(tc, int(m.overrides.get("vocab_size", spec.vocab_size))))
     f = tc.factorize
     if f.enabled:

@@ -378,3 +378,16 @@ def test_a_checkpointed_ddp_step_compiles_one_graph():
     assert ddp_compile_settings(tc("full"), 4) == {"optimize_ddp": False}
     assert ddp_compile_settings(tc("lowrank"), 1) == {}
     assert ddp_compile_settings(tc("none"), 2) == {} and ddp_compile_settings(tc(None), 2) == {}
+
+
+def test_auto_on_a_hugging_face_model_and_a_refusal_for_one_it_cannot_price():
+    from boost_compile.config import ConfigError
+    from boost_compile.train.auto_layout import choose_layout
+
+    chosen, rows = choose_layout(auto_config("model=hf-tiny"), world=2, device_type="cpu")
+    assert {r.layout.plan for r in rows if r.layout.tp == 2} == {"megatron"}  # a dense Llama
+    validate(chosen, world_size=2)
+    tc = auto_config("model=hf-tiny")
+    gpt2 = replace(tc, model=replace(tc.model, hf_config={"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "vocab_size": 256}))
+    with pytest.raises(ConfigError, match="parallel=auto: the planner models Llama-like blocks .* model_type is 'gpt2'; give the layout"):
+        choose_layout(gpt2, world=2, device_type="cpu")
