@@ -92,13 +92,31 @@ def git_commit() -> str:
     return sha + ("+dirty" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The CPU's model name and widest vector unit, from /proc/cpuinfo (``""`` where it cannot be read).
+
+    Two 2-core machines of the same kind can differ 3x in GEMM speed (AVX-512 or
+    AVX2): a result names which one it ran on.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    return ", ".join(part for part in (name, vector) if part)
+
+
 def machine() -> str:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    model = cpu_model()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
     return (
-        f"{platform.system()} {cpu}, {os.cpu_count()} cores{gpu}, "
+        f"{platform.system()} {cpu}{f' ({model})' if model else ''}, {os.cpu_count()} cores{gpu}, "
         f"torch {torch.__version__}, Python {sys.version.split()[0]}"
     )
 
