@@ -12,7 +12,7 @@ planner's (:mod:`boost_compile.plan`):
   prediction leaves the log-softmax out there too);
 - the peak: a memory profile of the last step (the profiler's allocator records)
   above what was live when it began, plus that;
-- the step: the mean of the steady steps, neither the compiling first nor the profiled last.
+- the step: the median of the steady steps, neither the compiling first nor the profiled last.
 
 Then the planner's ranking of the two-process layouts against the measured one
 (Kendall tau), its first choice for two processes (run too, if not among them),
@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the shapes the cpu hardware file was calibrated at (boost-bench pp's): smaller steps are overheads
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=6, help="steps per job: the first compiles, the last is profiled")
+    p.add_argument("--steps", type=int, default=8,
+                   help="steps per job: the first compiles, the last is profiled, the median of the others is the step")
     p.add_argument("--runs", default=None, help="folder of the jobs' run folders (default: a temporary one)")
 
 
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> Result:
         if not meas["error"]:
             reports = _rank_reports(meas, lo)
             row["measured"] = {"ranks": [{k: r.get(k) for k in (*STATE_TERMS, "saved_activations", "peak")} for r in reports],
-                               "step_s": meas["step_s_unprofiled"] or meas["step_s"]}
+                               "step_s": meas["step_s_unprofiled"] or meas["step_s"], "steps_s": meas.get("steady_steps_s") or []}
             row["errors"] = _errors(pred, row["measured"])
         rows.append(row)
     ok = [r for r in rows if "measured" in r]
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> Result:
         "cpu hardware file. Memory per device in MiB, predicted / measured (error), the worst pipeline rank.",
         "",
         "| layout | procs | params | grads | optimizer | DDP buckets | saved activations / micro-batch | peak | "
-        "step predicted (s) | step measured (s) |",
+        "step predicted (s) | step measured (s): median (range) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -166,8 +167,10 @@ def run(args: argparse.Namespace) -> Result:
         for term in (*STATE_TERMS, "saved_activations", "peak"):
             pv, mv = max(x[term] for x in p), max(x[term] or 0 for x in m)
             cells.append(f"{pv / MIB:.2f} / {mv / MIB:.2f} ({r['errors'][term]:+.1%})" if mv or pv else "0 / 0")
+        steps = r["measured"].get("steps_s") or []
+        spread = f" ({min(steps):.2f}-{max(steps):.2f})" if len(steps) > 1 else ""
         lines.append(f"| {r['label']} | {r['processes']} | " + " | ".join(cells)
-                     + f" | {r['predicted']['step_s']:.3f} | {r['measured']['step_s']:.3f} |")
+                     + f" | {r['predicted']['step_s']:.3f} | {r['measured']['step_s']:.3f}{spread} |")
     lines += ["", f"Ranking of the {len(two)} two-process layouts: Kendall tau {tau:.2f} (predicted order against measured).",
               f"The planner's first choice for 2 processes: {first.label()}, measured "
               + (f"{chosen['measured']['step_s']:.3f} s against the measured best {best_measured:.3f} s." if chosen else "(failed)."),

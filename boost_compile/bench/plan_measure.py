@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -89,8 +90,13 @@ def command(layout: dict[str, Any], run_dir: Path, model_overrides: Sequence[str
     return [sys.executable, *launcher, "-m", "boost_compile.train", *overrides]
 
 
-def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None) -> tuple[float | None, float | None]:
-    """(steady step time from summary.json, mean step time of the steady steps not profiled, from metrics.jsonl)."""
+def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None) -> tuple[float | None, list[float]]:
+    """(steady step time from summary.json, the steady steps not profiled, from metrics.jsonl).
+
+    A layout's step is the median of the second: on a shared 2-core machine one
+    step in a few runs long (a gloo wait behind a burst of other work), and the
+    layouts' order should not hang on which job met it.
+    """
     from omegaconf import OmegaConf
 
     from boost_compile.train.metrics import METRICS_FILE, read_metrics
@@ -101,7 +107,7 @@ def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None) -> tup
     steady = tokens / rate if rate > 0 else None
     rows = [r for r in read_metrics(run_dir / METRICS_FILE) if "step_s" in r]
     clean = [r["step_s"] for r in rows[1:] if r["step"] != profiled]
-    return steady, (sum(clean) / len(clean) if clean else None)
+    return steady, clean
 
 
 def _tail(text: str, lines: int = 30) -> str:
@@ -130,9 +136,10 @@ def measure_one(layout: dict[str, Any], *, out_dir: Path, model_overrides: Seque
     if len(reports) != processes(layout):
         return {**row, "error": f"{len(reports)} memory reports for {processes(layout)} ranks in {run_dir}"}
     summary = json.loads((run_dir / "summary.json").read_text())
-    step_s, unprofiled = _step_s(run_dir, summary, reports[0].get("profiled_step"))
+    step_s, clean = _step_s(run_dir, summary, reports[0].get("profiled_step"))
     memory = {t: max((r[t] for r in reports if r.get(t) is not None), default=None) for t in TERMS}
-    return {**row, "memory": memory, "ranks": reports, "step_s": step_s, "step_s_unprofiled": unprofiled,
+    return {**row, "memory": memory, "ranks": reports, "step_s": step_s,
+            "step_s_unprofiled": statistics.median(clean) if clean else None, "steady_steps_s": clean,
             "first_step_s": summary.get("first_step_s"), "tokens_per_s": summary.get("tokens_per_s")}
 
 
@@ -143,8 +150,8 @@ def measure(layouts: Sequence[dict[str, Any]], *, out_dir: Path, model_overrides
     ``error`` (None, or the failure and the last lines of stderr, then nothing else), ``memory`` (each
     term's maximum over the ranks), ``ranks`` (every rank's ``memory_rank{R}.json``), ``step_s`` (the
     steady step from summary.json: batch * seq / tokens_per_s over the steps after the first, the
-    profiled last one among them), ``step_s_unprofiled`` (the mean of those steps without the profiled
-    one, from metrics.jsonl; None with 2 steps), ``first_step_s`` (the compiling step), ``tokens_per_s``.
+    profiled last one among them), ``step_s_unprofiled`` (the median of those steps without the profiled
+    one, from metrics.jsonl; None with 2 steps), ``steady_steps_s`` (those steps), ``first_step_s`` (the compiling step), ``tokens_per_s``.
     """
     return [measure_one(layout, out_dir=out_dir, model_overrides=model_overrides, steps=steps) for layout in layouts]
 

@@ -109,6 +109,7 @@ def test_measure_one_process_and_a_failing_job(tmp_path):
     assert rank0 == json.loads((tmp_path / good["label"] / "memory_rank0.json").read_text())
     assert good["memory"] == {t: rank0[t] for t in plan_measure.TERMS}
     assert good["step_s"] > 0 and good["step_s_unprofiled"] > 0
+    assert len(good["steady_steps_s"]) == 1 and good["step_s_unprofiled"] == good["steady_steps_s"][0]  # step 2 of 3
     assert "boost_compile.train" in good["command"] and "trainer.memory_report=true" in good["command"]
     assert bad["error"].startswith("exit status") and "nope" in bad["error"]
     assert "memory" not in bad
