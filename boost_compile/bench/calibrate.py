@@ -7,9 +7,13 @@ Two gloo processes with one intra-op thread each (what ``boost-bench tp`` and
 ``pp`` give each process on two cores) run every microbenchmark at the same
 time, so each core is measured while the other is busy, as during the benches.
 The microbenchmarks run round-robin, one after the other, 12 rounds after a
-warm-up round, and each keeps its best round (its steady state, the least
-disturbed by other jobs on the machine); compute times are averaged over the
-two ranks, communication times are rank 0's. Run it on an otherwise idle
+warm-up round. A compute microbenchmark keeps its best round (its steady state,
+the least disturbed by other jobs on the machine). A collective is timed as a
+step issues it: after a stretch of compute on both ranks (a [T, d] x [d, d]
+GEMM, not timed), so its time holds the ranks' skew as well as the transfer, and
+it keeps its median round (a step pays the typical collective, not the best:
+an isolated best round priced a TP2 step's all-reduces at a quarter to a half of
+what they cost in the step). Times are averaged over the two ranks. Run it on an otherwise idle
 machine (about a minute). The shapes are those the scale model evaluates for
 the benches' configurations at the given options (the benches' defaults by
 default; :mod:`boost_compile.bench.compare`). Nothing here looks at a training
@@ -31,9 +35,11 @@ elementwise_efficiency      add, mul, SiLU and its backward, RMSNorm at the step
                             [T, d_ff] and [T, r]: their element passes / time, over hbm_bandwidth
 collective_latency,         gloo all-reduce as the compiled graphs issue it (functional, out of
 allreduce_bus_bandwidth     place, then waited for) of 4 KiB - 24 MiB (the benches' largest TP
-                            payload, vanilla's [T, d_ff], is 22.5 MB): t = alpha + 2 (p-1)/p S /
-                            busbw, least squares on the relative error over nine sizes
-p2p_latency, p2p_bandwidth  gloo send/recv ping-pong of the same sizes: one way = alpha + S / bw
+                            payload, vanilla's [T, d_ff], is 22.5 MB), each after the compute
+                            segment, median round: t = alpha + 2 (p-1)/p S / busbw, least
+                            squares on the relative error over nine sizes
+p2p_latency, p2p_bandwidth  gloo send/recv ping-pong of the same sizes after the same segment,
+                            median round: one way = alpha + S / bw
 nvlink_bandwidth            the same send/recv bandwidth (the link between the two processes)
 =========================== =================================================================
 
@@ -107,18 +113,28 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 @dataclass
 class Item:
-    """One microbenchmark: ``run`` does ``calls`` operations; ``per_op`` scales the time to one of them."""
+    """One microbenchmark: ``run`` does ``calls`` operations; ``per_op`` scales the time to one of them.
+
+    ``before`` (untimed) runs ahead of each call: the compute a collective follows
+    in a step. ``typical`` items keep their median round, the others their best.
+    """
 
     key: str
     run: Callable[[], Any]
     calls: int = 1
     per_op: float = 1.0
+    before: Callable[[], Any] | None = None
+    typical: bool = False
 
     def seconds(self) -> float:
-        start = time.perf_counter()
+        total = 0.0
         for _ in range(self.calls):
+            if self.before is not None:
+                self.before()
+            start = time.perf_counter()
             self.run()
-        return (time.perf_counter() - start) / self.calls * self.per_op
+            total += time.perf_counter() - start
+        return total / self.calls * self.per_op
 
 
 def gemm_item(key: str, m: int, k: int, n: int) -> Item:
@@ -156,7 +172,13 @@ def copy_item(key: str, nbytes: int) -> Item:
     return Item(key, lambda: dst.copy_(src))
 
 
-def all_reduce_item(key: str, nbytes: int) -> Item:
+def compute_segment(tokens: int, d: int) -> Callable[[], Any]:
+    """The untimed compute ahead of each collective: a [T, d] x [d, d] GEMM."""
+    x, w = torch.randn(tokens, d), torch.randn(d, d)
+    return lambda: torch.mm(x, w)
+
+
+def all_reduce_item(key: str, nbytes: int, before: Callable[[], Any] | None = None) -> Item:
     """A sum all-reduce as the compiled graphs issue it: functional (out of place), then waited for."""
     import torch.distributed as dist
 
@@ -164,10 +186,10 @@ def all_reduce_item(key: str, nbytes: int) -> Item:
     group = dist.group.WORLD.group_name
     ops = compat.functional_collectives()
 
-    return Item(key, lambda: ops.wait_tensor(ops.all_reduce(buf, "sum", group)))
+    return Item(key, lambda: ops.wait_tensor(ops.all_reduce(buf, "sum", group)), before=before, typical=True)
 
 
-def send_recv_item(key: str, nbytes: int, rank: int) -> Item:
+def send_recv_item(key: str, nbytes: int, rank: int, before: Callable[[], Any] | None = None) -> Item:
     """A ping-pong between ranks 0 and 1, timed as one way (half the round trip)."""
     import torch.distributed as dist
 
@@ -182,41 +204,43 @@ def send_recv_item(key: str, nbytes: int, rank: int) -> Item:
             dist.recv(buf, peer)
             dist.send(buf, peer)
 
-    return Item(key, ping, per_op=0.5)
+    return Item(key, ping, per_op=0.5, before=before, typical=True)
 
 
 def items(todo: dict[str, Any], rank: int) -> list[Item]:
     """Every microbenchmark of ``todo`` (both ranks build the same list, in the same order)."""
     n, ew = todo["peak_n"], todo["elementwise"]
     ops = elementwise_ops(ew["tokens"], ew["d"], ew["d_ff"], ew["r"])
+    segment = compute_segment(ew["tokens"], ew["d"])
     return [
         gemm_item("peak", n, n, n),
         *(gemm_item(f"gemm {i}", *g) for i, g in enumerate(todo["gemms"])),
         *(attention_item(f"attention {i}", *a) for i, a in enumerate(todo["attention"])),
         *(elementwise_item(f"elementwise {i}", shape, op) for i, (_n, _p, shape, op) in enumerate(ops)),
         copy_item("copy", todo["copy_bytes"]),
-        *(all_reduce_item(f"all_reduce {i}", b) for i, b in enumerate(todo["messages"])),
-        *(send_recv_item(f"send_recv {i}", b, rank) for i, b in enumerate(todo["messages"])),
+        *(all_reduce_item(f"all_reduce {i}", b, segment) for i, b in enumerate(todo["messages"])),
+        *(send_recv_item(f"send_recv {i}", b, rank, segment) for i, b in enumerate(todo["messages"])),
     ]
 
 
-def best_times(todo: list[Item], rounds: int) -> dict[str, float]:
-    """Each item's shortest time over ``rounds`` rounds of all of them in turn (after one warm-up round).
+def round_times(todo: list[Item], rounds: int) -> dict[str, float]:
+    """Each item's time over ``rounds`` rounds of all of them in turn (after one warm-up round).
 
     Round-robin spreads a burst of load from other jobs over every item, and the
-    best round of each is its undisturbed time; a barrier before each item keeps
-    the two ranks running it together.
+    best round of a compute item is its undisturbed time; a ``typical`` item (a
+    collective) keeps its median round. A barrier before each item starts the two
+    ranks on it together.
     """
     import torch.distributed as dist
 
     for item in todo:
         item.run()
-    best = dict.fromkeys((item.key for item in todo), float("inf"))
+    seen: dict[str, list[float]] = {item.key: [] for item in todo}
     for _ in range(rounds):
         for item in todo:
             dist.barrier()
-            best[item.key] = min(best[item.key], item.seconds())
-    return best
+            seen[item.key].append(item.seconds())
+    return {item.key: (statistics.median if item.typical else min)(seen[item.key]) for item in todo}
 
 
 def _worker(rank: int, world: int, store: str, todo: dict[str, Any], out_path: str) -> None:
@@ -225,7 +249,7 @@ def _worker(rank: int, world: int, store: str, todo: dict[str, Any], out_path: s
     from boost_compile.bench.tp import _setup
 
     threads = _setup(rank, world, store, False)
-    t = best_times(items(todo, rank), todo["rounds"])
+    t = round_times(items(todo, rank), todo["rounds"])
     ew = todo["elementwise"]
     ops = elementwise_ops(ew["tokens"], ew["d"], ew["d_ff"], ew["r"])
     got = {
@@ -350,7 +374,8 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
     att = fit_attention(attention, g["peak_flops"], **todo["attention_flops"])
     mem = fit_memory(_averaged(ranks, "elementwise"), copy)
     effs = [r["efficiency"] for r in att["rows"]]
-    ar, p2p = fit_link(first["all_reduce"], 2 * (world - 1) / world), fit_link(first["send_recv"], 1.0)
+    all_reduce, send_recv = _averaged(ranks, "all_reduce"), _averaged(ranks, "send_recv")
+    ar, p2p = fit_link(all_reduce, 2 * (world - 1) / world), fit_link(send_recv, 1.0)
     n, o = todo["peak_n"], todo["options"]
     shapes = f"{o['size']} shapes, seq {o['seq']}, batch {o['batch']}, vocab {o['vocab']}, {o['microbatches']} micro-batches"
     messages = f"{todo['messages'][0] // KIB} KiB - {todo['messages'][-1] // KIB:,} KiB"
@@ -366,10 +391,12 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
                                    "(as p2p_bandwidth)", stamp),
         "allreduce_bus_bandwidth": _entry(ar["bandwidth"], f"gloo all-reduce as the compiled graphs issue it (functional, "
                                           f"out of place) between {world} processes, {len(todo['messages'])} messages of "
-                                          f"{messages}: t = alpha + 2 (p-1)/p S / busbw, least squares on the relative "
+                                          f"{messages}, each after a [T, d] x [d, d] GEMM, median round: t = alpha + "
+                                          "2 (p-1)/p S / busbw, least squares on the relative "
                                           f"error (largest {ar['worst']:.0%})", stamp),
         "p2p_bandwidth": _entry(p2p["bandwidth"], f"gloo send/recv ping-pong, {len(todo['messages'])} messages of "
-                                f"{messages}: one way = alpha + S / bw, least squares on the relative error "
+                                f"{messages}, each after the same GEMM, median round: one way = alpha + S / bw, "
+                                "least squares on the relative error "
                                 f"(largest {p2p['worst']:.0%})", stamp),
         "p2p_latency": _entry(p2p["latency"], "alpha of the send/recv fit (one way)", stamp),
         "collective_latency": _entry(ar["latency"], "alpha of the all-reduce fit", stamp),
@@ -387,7 +414,7 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
         "elementwise_efficiency": _entry(mem["elementwise_efficiency"], "add, mul, SiLU, SiLU backward and RMSNorm at the step's "
                                          "widths: element passes / time, over hbm_bandwidth", stamp),
         "measurements": {"gemm": g["rows"], "attention": att["rows"], "elementwise": mem["rows"], "copy": copy,
-                         "all_reduce": first["all_reduce"], "send_recv": first["send_recv"],
+                         "all_reduce": all_reduce, "send_recv": send_recv,
                          "peak_gemm_seconds": peak_s, "options": o},
     }
 

@@ -47,6 +47,17 @@ def test_calibrate_quick_writes_a_loadable_measured_file(tmp_path):
     attention = {tuple(a["shape"]) for a in raw["measurements"]["attention"]}
     assert attention == {(4, 8, 64, 64), (4, 4, 64, 64), (2, 8, 64, 64), (1, 8, 64, 64)}
 
+def test_a_collective_item_leaves_its_compute_segment_untimed():
+    """calibrate times a collective after the compute a step puts before it, not with it."""
+    import time
+
+    slept = []
+    item = calibrate.Item("x", lambda: None, calls=2, before=lambda: (time.sleep(0.05), slept.append(1)), typical=True)
+    assert item.seconds() < 0.02 and slept == [1, 1]
+    alone = calibrate.Item("y", lambda: time.sleep(0.05))
+    assert alone.seconds() >= 0.05 and not alone.typical
+
+
 def test_fit_line_recovers_intercept_and_slope():
     xs = [1.0, 10.0, 100.0, 1000.0]
     assert calibrate.fit_line(xs, [3.0 + 0.5 * x for x in xs]) == pytest.approx((3.0, 0.5))
