@@ -12,7 +12,8 @@ planner's (:mod:`boost_compile.plan`):
   prediction leaves the log-softmax out there too);
 - the peak: a memory profile of the last step (the profiler's allocator records)
   above what was live when it began, plus that;
-- the step: the median of the steady steps, neither the compiling first nor the profiled last.
+- the step: the median of the steady steps: not the compiling first, the ``--warmup`` steps after it
+  (the heap still growing) or the profiled last.
 
 Then the planner's ranking of the two-process layouts against the measured one
 (Kendall tau), its first choice for two processes (run too, if not among them),
@@ -60,8 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # the shapes the cpu hardware file was calibrated at (boost-bench pp's): smaller steps are overheads
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=8,
-                   help="steps per job: the first compiles, the last is profiled, the median of the others is the step")
+    p.add_argument("--steps", type=int, default=12,
+                   help="steps per job: the first compiles, the last is profiled, the median of the others after --warmup is the step")
+    p.add_argument("--warmup", type=int, default=2, help="steps after the compiling first left out of the median (the heap settling)")
     p.add_argument("--runs", default=None, help="folder of the jobs' run folders (default: a temporary one)")
 
 
@@ -117,7 +119,8 @@ def run(args: argparse.Namespace) -> Result:
     layouts = list(LAYOUTS) + ([first] if first not in LAYOUTS else [])
     runs = Path(args.runs or tempfile.mkdtemp(prefix="boost-plan-"))
     overrides = [f"model={args.preset}", f"trainer.batch={args.batch}", f"trainer.seq={args.seq}"]
-    measured = plan_measure.measure([_as_measure(lo) for lo in layouts], out_dir=runs, model_overrides=overrides, steps=args.steps)
+    measured = plan_measure.measure([_as_measure(lo) for lo in layouts], out_dir=runs, model_overrides=overrides, steps=args.steps,
+                                    warmup=args.warmup)
     rows = []
     for lo, meas in zip(layouts, measured, strict=True):
         n = lo.tp * lo.pp * lo.dp
@@ -141,7 +144,8 @@ def run(args: argparse.Namespace) -> Result:
     capped_job = Job(spec, args.batch, args.seq, 2, 2, hw, cap_gib * GIB, "fp32")
     capped = best(search(capped_job), capped_job).layout
     if not any(r["layout"] == asdict(capped) for r in ok):
-        extra = plan_measure.measure([_as_measure(capped)], out_dir=runs, model_overrides=overrides, steps=args.steps)[0]
+        extra = plan_measure.measure([_as_measure(capped)], out_dir=runs, model_overrides=overrides, steps=args.steps,
+                                    warmup=args.warmup)[0]
         if not extra["error"]:
             reports = _rank_reports(extra, capped)
             ok.append({"layout": asdict(capped), "label": capped.label(), "processes": 2, "predicted": _predicted(jobs[2], capped),
@@ -151,7 +155,8 @@ def run(args: argparse.Namespace) -> Result:
 
     lines = [
         f"Layout planner against measured runs: {args.preset} (d {spec.dim}, {spec.n_layers} layers, vocab 256), batch "
-        f"{args.batch} x seq {args.seq}, fp32, boost (inductor), one thread per process, {args.steps} steps per job; the "
+        f"{args.batch} x seq {args.seq}, fp32, boost (inductor), one thread per process, {args.steps} steps per job "
+        f"(the median of steps {args.warmup + 2}-{args.steps - 1}); the "
         "cpu hardware file. Memory per device in MiB, predicted / measured (error), the worst pipeline rank.",
         "",
         "| layout | procs | params | grads | optimizer | DDP buckets | saved activations / micro-batch | peak | "

@@ -90,12 +90,17 @@ def command(layout: dict[str, Any], run_dir: Path, model_overrides: Sequence[str
     return [sys.executable, *launcher, "-m", "boost_compile.train", *overrides]
 
 
-def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None) -> tuple[float | None, list[float]]:
+def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None, warmup: int = 0) -> tuple[float | None, list[float]]:
     """(steady step time from summary.json, the steady steps not profiled, from metrics.jsonl).
 
     A layout's step is the median of the second: on a shared 2-core machine one
     step in a few runs long (a gloo wait behind a burst of other work), and the
-    layouts' order should not hang on which job met it.
+    layouts' order should not hang on which job met it. ``warmup`` steps after the
+    compiling first are left out too: while the heap grows to a step's peak, glibc
+    maps and unmaps the largest buffers and the first steps after compiling run up
+    to 1.3x the later ones (cola-60m on one process: 6.5, 5.4, 5.5, 5.2, 4.9, 4.8 s;
+    with ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 GiB the same job ran 4.7-5.0 s from
+    its second step).
     """
     from omegaconf import OmegaConf
 
@@ -106,7 +111,7 @@ def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None) -> tup
     rate = summary.get("tokens_per_s") or 0.0
     steady = tokens / rate if rate > 0 else None
     rows = [r for r in read_metrics(run_dir / METRICS_FILE) if "step_s" in r]
-    clean = [r["step_s"] for r in rows[1:] if r["step"] != profiled]
+    clean = [r["step_s"] for r in rows[1 + warmup:] if r["step"] != profiled]
     return steady, clean
 
 
@@ -115,7 +120,7 @@ def _tail(text: str, lines: int = 30) -> str:
 
 
 def measure_one(layout: dict[str, Any], *, out_dir: Path, model_overrides: Sequence[str], steps: int = 3,
-                timeout_s: float = 3600.0) -> dict[str, Any]:
+                warmup: int = 0, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Run one layout's job; its row (see :func:`measure`)."""
     name = label(layout)
     run_dir = (Path(out_dir) / name).resolve()
@@ -136,14 +141,15 @@ def measure_one(layout: dict[str, Any], *, out_dir: Path, model_overrides: Seque
     if len(reports) != processes(layout):
         return {**row, "error": f"{len(reports)} memory reports for {processes(layout)} ranks in {run_dir}"}
     summary = json.loads((run_dir / "summary.json").read_text())
-    step_s, clean = _step_s(run_dir, summary, reports[0].get("profiled_step"))
+    step_s, clean = _step_s(run_dir, summary, reports[0].get("profiled_step"), warmup)
     memory = {t: max((r[t] for r in reports if r.get(t) is not None), default=None) for t in TERMS}
     return {**row, "memory": memory, "ranks": reports, "step_s": step_s,
             "step_s_unprofiled": statistics.median(clean) if clean else None, "steady_steps_s": clean,
             "first_step_s": summary.get("first_step_s"), "tokens_per_s": summary.get("tokens_per_s")}
 
 
-def measure(layouts: Sequence[dict[str, Any]], *, out_dir: Path, model_overrides: list[str], steps: int = 3) -> list[dict[str, Any]]:
+def measure(layouts: Sequence[dict[str, Any]], *, out_dir: Path, model_overrides: list[str], steps: int = 3,
+            warmup: int = 0) -> list[dict[str, Any]]:
     """One boost-train job per layout (one after the other), its measured memory; one row per layout.
 
     A row: ``label``, ``layout`` (every key filled in), ``command`` (the shell line), ``run_dir``,
@@ -151,9 +157,10 @@ def measure(layouts: Sequence[dict[str, Any]], *, out_dir: Path, model_overrides
     term's maximum over the ranks), ``ranks`` (every rank's ``memory_rank{R}.json``), ``step_s`` (the
     steady step from summary.json: batch * seq / tokens_per_s over the steps after the first, the
     profiled last one among them), ``step_s_unprofiled`` (the median of those steps without the profiled
-    one, from metrics.jsonl; None with 2 steps), ``steady_steps_s`` (those steps), ``first_step_s`` (the compiling step), ``tokens_per_s``.
+    one and the ``warmup`` steps after the first, from metrics.jsonl; None when none is left),
+    ``steady_steps_s`` (those steps), ``first_step_s`` (the compiling step), ``tokens_per_s``.
     """
-    return [measure_one(layout, out_dir=out_dir, model_overrides=model_overrides, steps=steps) for layout in layouts]
+    return [measure_one(layout, out_dir=out_dir, model_overrides=model_overrides, steps=steps, warmup=warmup) for layout in layouts]
 
 
 def parse_layout(text: str) -> dict[str, Any]:

@@ -99,6 +99,16 @@ def test_layout_label_and_command(tmp_path):
         plan_measure.label({"tp": 1, "sp": 2})
 
 
+def test_a_steady_step_leaves_out_the_compiling_warmup_and_profiled_steps(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("trainer:\n  batch: 2\n  seq: 8\n")
+    times = [30.0, 6.5, 5.4, 4.9, 4.7, 5.1, 9.0]  # compiling, two settling, three steady, profiled
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "step_s": t}) + "\n" for i, t in enumerate(times)))
+    steady, clean = plan_measure._step_s(tmp_path, {"tokens_per_s": 16 / 5.0}, profiled=7, warmup=2)
+    assert steady == pytest.approx(5.0) and clean == [4.9, 4.7, 5.1]
+    assert plan_measure._step_s(tmp_path, {}, profiled=7)[1] == [6.5, 5.4, 4.9, 4.7, 5.1]
+
+
 def test_measure_one_process_and_a_failing_job(tmp_path):
     model = ["model=tiny", "passes=boost_aot_eager", "trainer.batch=4", "trainer.seq=32", "data.max_bytes=200000"]
     good, bad = plan_measure.measure([{"checkpoint": "lowrank"}, {"tp": 1, "plan": "nope"}], out_dir=tmp_path,
