@@ -41,6 +41,9 @@ allreduce_bus_bandwidth     place, then waited for) of 4 KiB - 24 MiB (the bench
 p2p_latency, p2p_bandwidth  gloo send/recv ping-pong of the same sizes after the same segment,
                             median round: one way = alpha + S / bw
 nvlink_bandwidth            the same send/recv bandwidth (the link between the two processes)
+queued_collective_latency   64 gloo broadcasts of 4 KiB from alternating owners, issued
+                            asynchronously and waited for together (ZeRO-1's parameter sync
+                            after its step), median round: the time / 64
 =========================== =================================================================
 
 ``--quick`` measures small shapes in one round (seconds, for tests): its file
@@ -207,6 +210,24 @@ def send_recv_item(key: str, nbytes: int, rank: int, before: Callable[[], Any] |
     return Item(key, ping, per_op=0.5, before=before, typical=True)
 
 
+#: tensors and bytes of each of the queued broadcasts
+QUEUED = {"count": 64, "bytes": 4 * KIB}
+
+
+def queued_broadcast_item(key: str, count: int, nbytes: int) -> Item:
+    """``count`` asynchronous broadcasts, each from its tensor's owner, then all waited for (ZeRO-1's sync)."""
+    import torch.distributed as dist
+
+    bufs = [torch.zeros(nbytes // 4) for _ in range(count)]
+    world = dist.get_world_size()
+
+    def sync() -> None:
+        for work in [dist.broadcast(b, src=i % world, async_op=True) for i, b in enumerate(bufs)]:
+            work.wait()
+
+    return Item(key, sync, per_op=1 / count, typical=True)
+
+
 def items(todo: dict[str, Any], rank: int) -> list[Item]:
     """Every microbenchmark of ``todo`` (both ranks build the same list, in the same order)."""
     n, ew = todo["peak_n"], todo["elementwise"]
@@ -220,6 +241,7 @@ def items(todo: dict[str, Any], rank: int) -> list[Item]:
         copy_item("copy", todo["copy_bytes"]),
         *(all_reduce_item(f"all_reduce {i}", b, segment) for i, b in enumerate(todo["messages"])),
         *(send_recv_item(f"send_recv {i}", b, rank, segment) for i, b in enumerate(todo["messages"])),
+        queued_broadcast_item("queued", QUEUED["count"], QUEUED["bytes"]),
     ]
 
 
@@ -262,6 +284,7 @@ def _worker(rank: int, world: int, store: str, todo: dict[str, Any], out_path: s
         "copy": {"bytes": 2 * todo["copy_bytes"], "seconds": t["copy"]},
         "all_reduce": [{"bytes": b, "seconds": t[f"all_reduce {i}"]} for i, b in enumerate(todo["messages"])],
         "send_recv": [{"bytes": b, "seconds": t[f"send_recv {i}"]} for i, b in enumerate(todo["messages"])],
+        "queued_broadcast": {**QUEUED, "seconds_each": t["queued"]},
     }
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, got)
@@ -376,6 +399,7 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
     effs = [r["efficiency"] for r in att["rows"]]
     all_reduce, send_recv = _averaged(ranks, "all_reduce"), _averaged(ranks, "send_recv")
     ar, p2p = fit_link(all_reduce, 2 * (world - 1) / world), fit_link(send_recv, 1.0)
+    queued = {**QUEUED, "seconds_each": statistics.fmean(r["queued_broadcast"]["seconds_each"] for r in ranks)}
     n, o = todo["peak_n"], todo["options"]
     shapes = f"{o['size']} shapes, seq {o['seq']}, batch {o['batch']}, vocab {o['vocab']}, {o['microbatches']} micro-batches"
     messages = f"{todo['messages'][0] // KIB} KiB - {todo['messages'][-1] // KIB:,} KiB"
@@ -400,6 +424,10 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
                                 f"(largest {p2p['worst']:.0%})", stamp),
         "p2p_latency": _entry(p2p["latency"], "alpha of the send/recv fit (one way)", stamp),
         "collective_latency": _entry(ar["latency"], "alpha of the all-reduce fit", stamp),
+        "queued_collective_latency": _entry(queued["seconds_each"], f"{queued['count']} gloo broadcasts of "
+                                            f"{queued['bytes'] // KIB} KiB from alternating owners, issued asynchronously and "
+                                            "waited for together (ZeRO-1's sync after its step), median round: the time / "
+                                            f"{queued['count']}", stamp),
         "gemm_max_efficiency": _entry(g["gemm_max_efficiency"], f"fitted to the fp32 forward + backward time of the {len(gemms)} GEMM "
                                       f"shapes of the benches' configurations ({shapes}); largest rate error of the "
                                       f"fitted curve {g['worst_fit_error']:.1%}", stamp),
@@ -414,7 +442,7 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
         "elementwise_efficiency": _entry(mem["elementwise_efficiency"], "add, mul, SiLU, SiLU backward and RMSNorm at the step's "
                                          "widths: element passes / time, over hbm_bandwidth", stamp),
         "measurements": {"gemm": g["rows"], "attention": att["rows"], "elementwise": mem["rows"], "copy": copy,
-                         "all_reduce": all_reduce, "send_recv": send_recv,
+                         "all_reduce": all_reduce, "send_recv": send_recv, "queued_broadcast": queued,
                          "peak_gemm_seconds": peak_s, "options": o},
     }
 

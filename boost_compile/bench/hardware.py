@@ -11,6 +11,8 @@ gemm_half_intensity comes from BOOST.md's quoted GEMM utilisations.
 | allreduce_bus_bandwidth | 230 GB/s | 360 GB/s | nccl-tests ring all-reduce busbw in one NVSwitch node, ~77-80% of NVLink per direction |
 | p2p_bandwidth | 200 GB/s | 300 GB/s | ~2/3 of NVLink per direction for one send/recv |
 | collective_latency | 25 us | 20 us | small-message NCCL all-reduce latency inside a node |
+| queued_collective_latency | - | - | not given: a collective queued behind another (ZeRO-1's broadcasts) costs \
+collective_latency too, NCCL running them one after another on its stream |
 | gemm_max_efficiency | 0.85 | 0.75 | large bf16 cuBLAS GEMMs: ~265 of 312 TFLOP/s (A100), ~740 of 989 (H200) |
 | gemm_half_intensity | 100 FLOP/B | 132 FLOP/B | 0.64 x the ridge point (peak / HBM); gives BOOST.md's GEMM utilisation on 7B TP4: \
 vanilla ~60%, BTP 71-75% |
@@ -26,7 +28,7 @@ choices over to the H200 peaks.
 
 The ``cpu`` file (``boost-bench calibrate``) holds constants measured on the
 project's machine by microbenchmarks (GEMMs and attention at the 60m shapes,
-elementwise bandwidth, gloo all-reduce and send/recv); with it, ``boost-bench
+elementwise bandwidth, gloo all-reduce, send/recv and queued broadcasts); with it, ``boost-bench
 scale --hardware cpu`` puts the model beside the steps ``boost-bench tp`` and
 ``boost-bench pp`` measured (:mod:`boost_compile.bench.compare`).
 """
@@ -68,6 +70,9 @@ class Hardware:
     #: ring all-reduce bus bandwidth between nodes, per device (0: not given, the planner
     #: then prices a data-parallel group that spans nodes at allreduce_bus_bandwidth)
     internode_bus_bandwidth: float = 0.0
+    #: seconds per collective of small collectives issued back to back, asynchronously, and
+    #: waited for together (ZeRO-1's broadcasts); 0: not given, each then costs collective_latency
+    queued_collective_latency: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -87,7 +92,7 @@ HARDWARE_FIELDS = (
     "elementwise_efficiency",
 )
 #: fields a hardware file may leave out (then 0)
-OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidth")
+OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidth", "queued_collective_latency")
 #: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
 MAY_BE_ZERO = ("gemm_half_intensity",)
 

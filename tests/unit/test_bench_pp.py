@@ -31,13 +31,14 @@ def test_calibrate_quick_writes_a_loadable_measured_file(tmp_path):
     hw = hardware.load_hardware(str(path))
     assert hw.name == "cpu" and hw.measured["command"] == f"boost-bench calibrate --quick --out {path}"
     assert hw.measured["threads"] == "1" and hw.measured["processes"] == "2"
-    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency"):
+    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency", "queued_collective_latency"):
         entry = raw[key]
         if entry["measured"]:
             assert entry["command"] == hw.measured["command"] and entry["date"] and entry["machine"] and entry["source"]
         else:
             assert entry["why"] and key in ("gemm_tile", "attention_head_dim_multiple")
     assert hw.p2p_latency >= 0 and hw.gemm_tile == 1 and hw.allreduce_bus_bandwidth > 0
+    assert hw.queued_collective_latency > 0 and raw["measurements"]["queued_broadcast"]["count"] == 64
     for key in ("gemm_max_efficiency", "attention_efficiency", "elementwise_efficiency"):
         assert 0 < getattr(hw, key) <= 1
     # the GEMMs measured are the configurations' (--quick: seq 64, batch 4, the 60m shapes): btp TP2's

@@ -24,7 +24,7 @@ from boost_compile.passes.saved_tensors import activation_bytes
 from boost_compile.plan import cli
 from boost_compile.plan.memory import RNG_STATE_BYTES, block_saved_elements, in_flight, memory, zero_share
 from boost_compile.plan.model import from_hf_config, from_llama_config, from_preset, local_numel, stage_blocks
-from boost_compile.plan.search import Job, PlanError, best, layouts, search
+from boost_compile.plan.search import Job, Layout, PlanError, best, layouts, price, search
 from boost_compile.train.config import ModelConfig, ParallelConfig, PassesConfig, TrainConfig, TrainerConfig
 from boost_compile.train.validate import validate
 
@@ -341,6 +341,23 @@ def test_a_data_parallel_ring_across_nodes_runs_at_the_network_rate():
     slow, fast = 20e9, 200e9
     assert step(16, (1, 1, 16), slow) > step(16, (1, 1, 16), fast)  # the ring spans both nodes
     assert step(8, (1, 1, 8), slow) == step(8, (1, 1, 8), fast)  # one node: the network is not used
+
+
+def test_zero1_pays_the_first_broadcast_in_step_and_the_others_queued():
+    # ZeroRedundancyOptimizer issues one broadcast per parameter tensor, all asynchronously, and
+    # waits for them together: the first meets the other rank, the rest queue behind it
+    j = job("cola-60m", devices=2, batch=4, seq=1024)
+    tensors = len(j.spec.tensors())
+
+    def zero_cost(**hw) -> float:
+        jj = replace(j, hardware=replace(j.hardware, **hw))
+        return price(jj, Layout(1, 1, 2, zero=1)).step_s - price(jj, Layout(1, 1, 2)).step_s
+
+    base = zero_cost(collective_latency=1e-3, queued_collective_latency=1e-4)
+    assert zero_cost(collective_latency=2e-3, queued_collective_latency=1e-4) - base == pytest.approx(1e-3)
+    assert zero_cost(collective_latency=1e-3, queued_collective_latency=2e-4) - base == pytest.approx((tensors - 1) * 1e-4)
+    # a file without the queued latency (the GPU ones) prices every broadcast at collective_latency
+    assert zero_cost(collective_latency=1e-3, queued_collective_latency=0.0) - base == pytest.approx((tensors - 1) * 9e-4)
 
 
 # ----------------------------------------------------------------------------- boost-bench plan's arithmetic

@@ -585,7 +585,7 @@ def test_bundled_cpu_file_is_measured():
     hw = hardware.load_hardware("cpu")
     assert hw.measured["command"].startswith("boost-bench calibrate") and hw.measured["quick"] == "false"
     assert hw.measured["machine"] and hw.measured["date"]
-    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency"):
+    for key in (*hardware.HARDWARE_FIELDS, "p2p_latency", "queued_collective_latency"):
         if key in ("gemm_tile", "attention_head_dim_multiple"):
             assert raw[key]["measured"] is False and raw[key]["why"]
         else:
