@@ -112,6 +112,9 @@ def _rank_reports(row: dict[str, Any], lo: Layout) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> Result:
+    if args.warmup < 0 or args.steps < args.warmup + 3:
+        raise SystemExit(f"boost-bench plan: --steps {args.steps} leaves no step to time after the compiling one, "
+                         f"--warmup {args.warmup} and the profiled last; give at least --warmup + 3")
     spec = from_preset(args.preset, vocab_size=256)  # byte tokens: boost-train pads the vocabulary to 256
     hw = load_hardware("cpu")
     jobs = {n: Job(spec, args.batch, args.seq, n, n, hw, hw.memory_gib * GIB, "fp32", (f"model={args.preset}",)) for n in (1, 2)}

@@ -219,3 +219,8 @@ def test_tp_lax_option_adds_laxs_rows_and_ratios():
     assert len(tp.targets(args, variants, summary)) == 6  # the targets, LaX adds none
     del variants["LaX, btp"], single["LaX, 1 process"]
     assert "lax_btp_over_cola_btp" not in tp.scaling(variants, single)
+
+
+def test_plan_refuses_steps_that_leave_none_to_time():
+    with pytest.raises(SystemExit, match="at least --warmup \\+ 3"):
+        cli.main(["plan", "--steps", "4", "--warmup", "2"])
