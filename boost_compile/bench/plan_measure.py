@@ -98,7 +98,7 @@ def _step_s(run_dir: Path, summary: dict[str, Any], profiled: int | None, warmup
     layouts' order should not hang on which job met it. ``warmup`` steps after the
     compiling first are left out too: while the heap grows to a step's peak, glibc
     maps and unmaps the largest buffers and the first steps after compiling run up
-    to 1.3x the later ones (cola-60m on one process: 6.5, 5.4, 5.5, 5.2, 4.9, 4.8 s;
+    to 1.35x the later ones (cola-60m on one process: 6.5, 5.4, 5.5, 5.2, 4.9, 4.8 s;
     with ``MALLOC_MMAP_THRESHOLD_`` fixed at 1 GiB the same job ran 4.7-5.0 s from
     its second step).
     """

@@ -23,7 +23,7 @@ mode, ZeRO and a schedule; this module adds what each costs:
   file the two differ tenfold: a gloo collective that follows compute waits for the
   other rank and its communication thread, queued ones do not (priced at 3.0 ms per
   tensor, a cola-60m DP2 step with ``zero=1`` was predicted 0.40 s slower than without;
-  measured, the two ran 2.640 and 2.643 s).
+  measured, it ran 0.03-0.25 s slower in three runs).
 - **nodes**: a data-parallel group spanning nodes (tp x dp ranks of a stage beyond one
   node) all-reduces, and pipeline stages on different nodes send, at the hardware
   file's ``internode_bus_bandwidth``.
