@@ -26,6 +26,7 @@ from boost_compile.train.launchers import adopt_submitit_environment, check_plug
 from boost_compile.train.loop import Trainer
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary, write_summary
 from boost_compile.train.parallel import setup_distributed
+from boost_compile.train.process_exit import exit_without_finalizing
 from boost_compile.train.validate import env_world_size, to_train_config, validate
 
 log = logging.getLogger("boost_compile.train")
@@ -261,8 +262,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         # only rank 0 writes the run folder's config and log; the others print warnings
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=boost_worker"]
     app = hydra.main(config_path=str(config_dir()), config_name="train", version_base="1.3")(_task)
+    torchrun_worker = env_world_size() > 1
+    code: object = 0
     try:
         app()
+    except SystemExit as exc:  # hydra's exit after an error it reported, ours after a refusal or a stop
+        if not torchrun_worker:
+            raise
+        code = exc.code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if torchrun_worker:
+        exit_without_finalizing(code)  # gloo's threads outlive the process group (process_exit.py)
