@@ -69,6 +69,7 @@ import torch
 
 from boost_compile import _torch_compat as compat
 from boost_compile.bench import compare, hardware, scale_model
+from boost_compile.process_exit import exit_without_finalizing
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware", "cpu.json")
 KIB, MIB = 1024, 1024 * 1024
@@ -292,6 +293,7 @@ def _worker(rank: int, world: int, store: str, todo: dict[str, Any], out_path: s
         with open(out_path, "w") as f:
             json.dump({"world": world, "ranks": gathered}, f)
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 # ----------------------------------------------------------------------------- the fits

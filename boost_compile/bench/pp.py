@@ -53,6 +53,7 @@ import torch
 
 from boost_compile.bench.results import Result, Target, bar_chart
 from boost_compile.bench.tp import _census, _compiled_step, _setup, _synced
+from boost_compile.process_exit import exit_without_finalizing
 
 SINGLE = "1 process"
 TP2 = "TP2 btp"
@@ -238,6 +239,7 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
             json.dump({"threads": threads, "vocab": model.config.vocab_size, "preset": presets["cola"],
                        "layers": model.config.n_layers, "rows": rows, "boundary": boundary}, f)
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 def ratios(rows: dict[str, dict[str, Any]], tokens: int, microbatches: int) -> None:

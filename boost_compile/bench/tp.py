@@ -49,6 +49,7 @@ from boost_compile.bench import profile, timing
 from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, Target, bar_chart
 from boost_compile.models.llama import NORMS
+from boost_compile.process_exit import exit_without_finalizing
 
 VARIANTS = [
     ("dense, megatron", "dense", "megatron"),
@@ -236,6 +237,7 @@ def _worker(rank: int, world: int, store: str, args: dict[str, Any], out_path: s
                 json.dump({"threads": threads, "vocab": model.config.vocab_size, "variants": rows, "single": single,
                            "profile": profiles}, f)
         dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 def scaling(variants: dict[str, dict[str, Any]], single: dict[str, dict[str, Any]]) -> dict[str, float]:

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 
 from boost_compile.config import ConfigError
+from boost_compile.process_exit import exit_without_finalizing
 from boost_compile.train.checkpoint import resume_candidates
 from boost_compile.train.config import config_dir, register_configs
 from boost_compile.train.launchers import adopt_submitit_environment, check_plugins, quiet_worker_logging
 from boost_compile.train.loop import Trainer
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary, write_summary
 from boost_compile.train.parallel import setup_distributed
-from boost_compile.train.process_exit import exit_without_finalizing
 from boost_compile.train.validate import env_world_size, to_train_config, validate
 
 log = logging.getLogger("boost_compile.train")
@@ -274,4 +274,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     if torchrun_worker:
-        exit_without_finalizing(code)  # gloo's threads outlive the process group (process_exit.py)
+        exit_without_finalizing(code)  # gloo's threads outlive the process group (boost_compile/process_exit.py)

@@ -1,6 +1,6 @@
-"""A torchrun worker ends after its exit handlers and before interpreter finalization
-(boost_compile/train/process_exit.py): gloo's threads outlive DDP's process group, and one
-that asks for the GIL while the interpreter finalizes aborts the process."""
+"""A process of a gloo group ends after its exit handlers and before interpreter finalization
+(boost_compile/process_exit.py): gloo's threads outlive the process group, and one that asks
+for the GIL while the interpreter finalizes aborts the process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from boost_compile.train.process_exit import exit_code
+from boost_compile.process_exit import exit_code
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,7 +33,7 @@ def test_exit_handlers_run_output_is_flushed_and_nothing_is_finalized():
     whose __del__ would speak at finalization never does: the interpreter was not finalized."""
     proc = python("""
         import atexit, sys
-        from boost_compile.train.process_exit import exit_without_finalizing
+        from boost_compile.process_exit import exit_without_finalizing
 
         class Finalized:
             def __del__(self):

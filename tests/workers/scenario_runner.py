@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from boost_compile.process_exit import exit_without_finalizing
+
 
 def spawn_scenarios(worker: Callable[..., None], world: int, scenarios: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
     """Start ``worker(rank, world, store, scenarios, result_path)`` on ``world`` processes; the ranks' results."""
@@ -41,3 +43,4 @@ def run_scenarios(rank: int, world: int, scenarios: list[dict[str, Any]], result
         with open(result_path, "w") as f:
             json.dump(gathered, f)
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)

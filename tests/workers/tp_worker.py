@@ -31,6 +31,7 @@ from boost_compile.config import BoostConfig
 from boost_compile.explain import Explanation
 from boost_compile.models import Llama, LlamaConfig
 from boost_compile.pass_manager import AtenPass, PassReport
+from boost_compile.process_exit import exit_without_finalizing
 
 SEQ, BATCH = 16, 2
 
@@ -247,3 +248,4 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
         with open(result_path, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
