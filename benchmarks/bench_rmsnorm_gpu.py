@@ -13,6 +13,10 @@ gradients of x and w reset to None between runs) with ``triton.testing.do_bench`
     inductor         torch.compile(nn.RMSNorm) -- Inductor-generated forward and backward
     eager            nn.RMSNorm in eager mode
 
+"kernel ms" is the device time of the kernels one call launches (torch.profiler, 20 calls)
+and their number: what the GPU spent, without the host-side gaps between launches that
+``do_bench``'s wall time includes.
+
 Bandwidth counts the minimal traffic of forward+backward: read x, g, w and write
 y, dx, dw (``4 * rows * width + 2 * width`` elements; the kernels really read x
 twice, once per pass, and move rstd and the fp32 partial weight gradients, which
@@ -54,6 +58,30 @@ def _bench(fn, grad_to_none, args) -> float:
     return triton.testing.do_bench(
         fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none, return_mode="median"
     )
+
+
+def _kernel_ms(fn, grad_to_none, steps: int = 20) -> tuple[float, float]:
+    """Device time of the kernels one call launches (ms) and their number, from torch.profiler:
+    the work on the GPU alone, without the host's launch gaps that ``do_bench`` counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for t in grad_to_none or ():
+                t.grad = None
+            fn()
+        torch.cuda.synchronize()
+    total_us, count = 0.0, 0
+    for item in prof.key_averages():
+        us = getattr(item, "self_device_time_total", None)
+        us = getattr(item, "self_cuda_time_total", 0.0) if us is None else us
+        if us > 0:
+            total_us += us
+            count += item.count
+    return total_us / steps / 1e3, count / steps
 
 
 def _check(rms_norm, rms_norm_reference, x, w, g) -> float:
@@ -120,6 +148,7 @@ def run_width(width: int, args: argparse.Namespace) -> dict:
         "eager": eager_step,
     }
     ms = {name: _bench(fn, [x, w], args) for name, fn in steps.items()}
+    kernel = {name: _kernel_ms(fn, [x, w]) for name, fn in steps.items()}
     ms["copy"] = _bench(copy_step, None, args)
     ms["clone"] = _bench(clone_step, None, args)
 
@@ -134,6 +163,8 @@ def run_width(width: int, args: argparse.Namespace) -> dict:
         "rows": rows,
         "dtype": args.dtype,
         "ms": ms,
+        "kernel_ms": {name: k[0] for name, k in kernel.items()},
+        "kernels": {name: k[1] for name, k in kernel.items()},
         "gbps": gbps,
         "pct_copy": {name: 100.0 * gbps[name] / gbps["copy"] for name in steps},
         "speedup_vs_inductor": ms["inductor"] / ms["boost"],
@@ -146,7 +177,8 @@ def run_width(width: int, args: argparse.Namespace) -> dict:
 def _table(results: list[dict]) -> str:
     head = (
         "| width | boost ms | boost GB/s | % copy | boost-compiled ms | inductor ms | eager ms "
-        "| vs inductor | vs eager | copy GB/s | clone GB/s | max rel err |"
+        "| vs inductor | vs eager | copy GB/s | clone GB/s | max rel err "
+        "| kernel ms (launches): boost | boost-compiled | inductor | eager |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -155,7 +187,9 @@ def _table(results: list[dict]) -> str:
             f"| {r['width']} | {ms['boost']:.4f} | {gb['boost']:.0f} | {r['pct_copy']['boost']:.0f}% "
             f"| {ms['boost-compiled']:.4f} | {ms['inductor']:.4f} | {ms['eager']:.4f} "
             f"| {r['speedup_vs_inductor']:.2f}x | {r['speedup_vs_eager']:.2f}x "
-            f"| {gb['copy']:.0f} | {gb['clone']:.0f} | {r['max_rel_err_vs_reference']:.1e} |"
+            f"| {gb['copy']:.0f} | {gb['clone']:.0f} | {r['max_rel_err_vs_reference']:.1e} | "
+            + " | ".join(f"{r['kernel_ms'][n]:.4f} ({r['kernels'][n]:.0f})"
+                         for n in ("boost", "boost-compiled", "inductor", "eager")) + " |"
         )
     return "\n".join(lines)
 

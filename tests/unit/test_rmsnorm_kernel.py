@@ -630,15 +630,21 @@ def test_gpu_kernel_rows_beyond_grid_and_noncontiguous():
 @needs_cuda
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_gpu_compiled_matches_eager(backend):
+    """The Triton op compiled, in bf16, under the suite's parity rule: no further from a float64
+    run of the ATen reference than a small multiple of the bf16 reference's own error (a fixed
+    tolerance failed on dw, a sum over 132 rows, where both bf16 runs round)."""
+    from conftest import assert_parity, error_pair
+
     x, w, r, g = _inputs((4, 33, 2048), torch.bfloat16, residual=True, device="cuda")
 
-    def run(fn):
-        xs, ws, rs = _leaf(x), _leaf(w), _leaf(r)
-        loss = fn(xs, ws, rs, g)
+    def run(fn, dtype=None):
+        xs, ws, rs = (_leaf(t if dtype is None else t.to(dtype)) for t in (x, w, r))
+        loss = fn(xs, ws, rs, g if dtype is None else g.to(dtype))
         loss.backward()
         return {"loss": loss.detach(), "dx": xs.grad, "dres": rs.grad, "dw": ws.grad}
 
-    ref = run(_reference_loss_fn)
+    eager = run(_reference_loss_fn)
+    truth = run(_reference_loss_fn, torch.float64)
     got = run(torch.compile(_loss_fn, backend=backend, fullgraph=True))
-    for name in ref:
-        torch.testing.assert_close(got[name].float(), ref[name].float(), rtol=2e-2, atol=2e-2)
+    errors = {name: error_pair({name: got[name]}, {name: eager[name]}, {name: truth[name]}) for name in truth}
+    assert_parity(errors, torch.bfloat16, f"rms_norm compiled with {backend}")

@@ -114,3 +114,13 @@ def test_dynamo_limits_are_restored(limit: int) -> None:
     assert compat.dynamo_recompile_limit_value() == before
     with compat.dynamo_recompile_limit(1):  # never lowers it
         assert compat.dynamo_recompile_limit_value() == before
+
+
+def test_is_opaque_node_without_the_helper(monkeypatch):
+    """A torch without AOT autograd's is_opaque_node (2.11) has no opaque inputs: False, no error."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    if hasattr(graph_compile, "is_opaque_node"):
+        monkeypatch.delattr(graph_compile, "is_opaque_node")
+    graph = torch.fx.Graph()
+    assert compat.is_opaque_node(graph.placeholder("x")) is False
