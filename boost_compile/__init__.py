@@ -8,6 +8,7 @@
 
 from boost_compile import models
 from boost_compile.backend import boost_backend, compile
+from boost_compile.blocks import BlockCompileError, compile_blocks
 from boost_compile.config import (
     AnalysisConfig,
     BoostConfig,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnalysisConfig",
+    "BlockCompileError",
     "BoostConfig",
     "ConfigError",
     "Explanation",
@@ -38,6 +40,7 @@ __all__ = [
     "StrictPassError",
     "boost_backend",
     "compile",
+    "compile_blocks",
     "explain",
     "factorize_",
     "gather_full_grads",

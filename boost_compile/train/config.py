@@ -176,6 +176,12 @@ class PassesConfig:
     (``{inner: aot_eager, group: {enabled: false}}``)."""
     fullgraph: bool = False
     """torch.compile's ``fullgraph``: a graph break is an error."""
+    unit: Annotated[str, Literal["block", "model"]] = "block"
+    """What one compiled graph holds. ``block``: each repeated block is compiled on its own and
+    identical blocks share one compiled artifact (the cold compile does not grow with depth;
+    under dp each block's gradients are all-reduced while the blocks below run their backward);
+    the embedding, final norm, head and loss run eagerly. ``model``: the whole model as one
+    graph. A tensor-parallel model is compiled whole either way (logged)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "passes")

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile.backend import Recorder, compile_graph
+from boost_compile.blocks import compile_blocks, tensor_parallel
 from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import build_model
@@ -211,16 +212,34 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
     passes = tc.passes
     if passes.backend == "none":
         return model
+    backend: Any = passes.backend
+    options = dict(passes.options) if passes.backend == "boost" else None
     if passes.backend == "boost" and recorder is not None:
         from boost_compile.train.memory_report import uncached
 
         config = BoostConfig.from_options(dict(passes.options))
-        backend = uncached(functools.partial(compile_graph, config=config, recorder=recorder))
-        return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
-    if passes.backend == "boost":
-        return torch.compile(model, backend="boost", options=dict(passes.options), fullgraph=passes.fullgraph,
-                             dynamic=dynamic)
-    return torch.compile(model, backend=passes.backend, fullgraph=passes.fullgraph, dynamic=dynamic)
+        backend, options = uncached(functools.partial(compile_graph, config=config, recorder=recorder)), None
+    if compiles_per_block(tc, model):
+        compile_blocks(model, options, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
+        return model
+    kwargs = {"options": options} if options is not None else {}
+    return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic, **kwargs)
+
+
+def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:
+    """``passes.unit=block``, unless the model is tensor-parallel or ``trainer.memory_report`` is on
+    (both compile the whole model, logged)."""
+    if tc.passes.unit != "block" or tc.passes.backend == "none":
+        return False
+    if tc.trainer.memory_report:
+        log.info("passes.unit=block: trainer.memory_report compiles the whole model (its saved-tensor "
+                 "terms are read per compiled graph, and identical blocks would share one)")
+        return False
+    if tensor_parallel(model):
+        log.info("passes.unit=block: a tensor-parallel model is compiled whole (its collectives are "
+                 "inserted on the whole model's graph)")
+        return False
+    return True
 
 
 def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Module:
@@ -241,17 +260,24 @@ def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Mod
     )
 
 
-def ddp_compile_settings(tc: TrainConfig, dp: int) -> dict[str, Any]:
-    """Dynamo settings the training step compiles under: one graph under DDP when checkpointing.
+def ddp_compile_settings(tc: TrainConfig, dp: int, per_block: bool = False) -> dict[str, Any]:
+    """Dynamo settings the training step compiles under: no graph cut at DDP's gradient buckets
+    when compiled per block, or whole with a checkpoint mode.
 
     Dynamo cuts a DDP module's graph at its gradient buckets (``optimize_ddp``) so that
     each bucket's all-reduce can start early. A cut through a block hides the block's
     structure from the checkpoint pass: that block is left to the partitioner and saves
-    several times what ``lowrank`` or ``full`` keep. With a checkpoint mode the step
-    therefore compiles one graph (the buckets are all-reduced after the backward).
+    several times what ``lowrank`` or ``full`` keep. Compiled per block, every block's backward
+    is an autograd node of its own, so DDP's hooks all-reduce its gradients as soon as it ends:
+    the overlap comes without a cut. Compiled whole with a checkpoint mode, the step is one
+    graph and the buckets are all-reduced after the backward.
     """
+    if dp == 1:
+        return {}
+    if per_block:
+        return {"optimize_ddp": False}
     checkpoint = tc.passes.options.get("checkpoint", "none") if tc.passes.backend == "boost" else "none"
-    return {"optimize_ddp": False} if dp > 1 and checkpoint in ("lowrank", "full") else {}
+    return {"optimize_ddp": False} if checkpoint in ("lowrank", "full") else {}
 
 
 @dataclass
@@ -302,6 +328,9 @@ def build_model_parts(
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
+    per_block = compiled is model and tc.passes.backend != "none"  # compiled in place, block by block
     train_fn = wrap_data_parallel(compiled, model, dev)
-    eval_fn = compiled if dev.tp > 1 else model  # a TP model runs only through the backend
-    return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn, compile_settings=ddp_compile_settings(tc, dev.dp))
+    # a TP model runs only through the backend; compiled per block, the model is its own compiled form
+    eval_fn = compiled if dev.tp > 1 or per_block else model
+    return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn,
+                      compile_settings=ddp_compile_settings(tc, dev.dp, per_block))

@@ -1,0 +1,119 @@
+"""Compile a model block by block: each repeated block its own graph, one artifact for identical blocks.
+
+    model.layers[i](h)      ->  model.layers[i] compiled in place (``nn.Module.compile``)
+    embedding, norm, head   ->  left eager
+
+Why per block (torchtitan's way) rather than the whole model as one graph:
+
+- **compile time does not grow with depth**: Dynamo traces the block's code once, and every
+  block of the same class and shapes reuses that compiled artifact (its guards check types
+  and shapes, not which block), so 32 layers compile like 2;
+- **data-parallel overlap**: each block's backward is its own autograd node, so DDP's hooks
+  see a block's gradients as soon as its backward ends and all-reduce them while the blocks
+  below run theirs. Dynamo's DDP optimizer is not needed (``optimize_ddp=False``), so no
+  graph is cut at a gradient bucket through the middle of a block;
+- every pass still sees a whole block: grouping, the RMSNorm rewrite, low-rank checkpointing.
+
+Compiling in place keeps parameter names (no ``_orig_mod.``), so optimizers, checkpoints and
+DDP see the same model. A tensor-parallel model is refused: its collectives are inserted by
+passes that today need the whole model's graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class BlockCompileError(ValueError):
+    """The model's blocks cannot be found or compiled one by one; the message says why."""
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """Names of the model's repeated blocks: the children of its largest ``nn.ModuleList`` or
+    ``nn.ModuleDict`` whose children are all of one class (a decoder's ``layers``).
+
+    Raises BlockCompileError when the model has none (name them with ``blocks=``).
+    """
+    best: tuple[int, list[str]] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+            continue
+        children = list(module.named_children())
+        if len({type(child) for _n, child in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        names = [f"{name}.{child}" if name else child for child, _m in children]
+        if best is None or size > best[0]:
+            best = (size, names)
+    if best is None:
+        raise BlockCompileError(
+            f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of blocks of one class; "
+            "name the blocks to compile with blocks=[...] or compile the whole model"
+        )
+    return best[1]
+
+
+def tensor_parallel(model: nn.Module) -> bool:
+    """Parallelized by ``parallelize_`` (shards with a spec) or holding DTensor parameters."""
+    from torch.distributed.tensor import DTensor
+
+    return getattr(model, "_boost_tp_plan", None) is not None or any(
+        getattr(p, "_boost_tp", None) is not None or isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
+def compile_blocks(
+    model: nn.Module,
+    options: dict[str, Any] | None = None,
+    *,
+    backend: str | Callable[..., Any] = "boost",
+    blocks: Sequence[str] | None = None,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+) -> list[str]:
+    """Compile each repeated block of ``model`` in place with ``backend``; returns their names.
+
+    ``options``: the backend's ``options=`` (for "boost", checked by ``BoostConfig.from_options``);
+    ``blocks``: the blocks' names (default: :func:`find_blocks`). The rest of the model runs
+    eagerly. Raises BlockCompileError for a tensor-parallel model (compile it whole with
+    ``torch.compile(model, backend="boost")``).
+    """
+    if tensor_parallel(model):
+        raise BlockCompileError(
+            "a tensor-parallel model (parallelize_) cannot be compiled block by block yet: the boost "
+            "passes insert its collectives on the whole model's graph. Compile it whole: "
+            "torch.compile(model, backend='boost')"
+        )
+    if backend == "boost" and options is not None:
+        from boost_compile.config import BoostConfig
+
+        BoostConfig.from_options(dict(options))  # a bad option fails here, not at the first step
+    names = list(blocks) if blocks is not None else find_blocks(model)
+    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+    if options is not None:
+        kwargs["options"] = dict(options)
+    for name in names:
+        try:
+            block = model.get_submodule(name)
+        except AttributeError as exc:
+            raise BlockCompileError(f"blocks: {type(model).__name__} has no submodule {name!r}") from exc
+        block.compile(**kwargs)
+    log.info("compiled %d blocks one by one (%s ... %s) with backend %s", len(names), names[0], names[-1],
+             backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__))
+    return names
+
+
+def compiled_blocks(model: nn.Module) -> list[str]:
+    """Names of ``model``'s submodules compiled in place (``nn.Module.compile``)."""
+    from boost_compile import _torch_compat as compat
+
+    return [name for name, m in model.named_modules() if name and compat.is_compiled_module(m)]
+
+
+__all__ = ["BlockCompileError", "compile_blocks", "compiled_blocks", "find_blocks", "tensor_parallel"]
