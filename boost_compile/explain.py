@@ -38,6 +38,8 @@ class Explanation:
     config: BoostConfig
     graphs: list[GraphRecord]
     pipeline: dict[str, Any] | None = None  # a pipeline stage's point-to-point traffic (pipeline_io)
+    #: compiled per block (``unit="block"``): each graph's index -> the blocks that run it
+    blocks: dict[int, list[str]] | None = None
 
     # -- data -----------------------------------------------------------------------
 
@@ -48,6 +50,8 @@ class Explanation:
         }
         if self.pipeline is not None:
             out["pipeline"] = self.pipeline
+        if self.blocks is not None:
+            out["blocks"] = {str(i): names for i, names in self.blocks.items()}
         return out
 
     def _graph_dict(self, g: GraphRecord) -> dict[str, Any]:
@@ -104,6 +108,9 @@ class Explanation:
 
     def _graph_markdown(self, g: GraphRecord) -> list[str]:
         lines = [f"## Graph {g.index}", ""]
+        if self.blocks is not None:
+            names = self.blocks.get(g.index, [])
+            lines += [f"Compiled once, run by {len(names)} block(s): {', '.join(names) or '-'}", ""]
         view = g.view
         if view is not None:
             s = view.summary()
@@ -296,17 +303,30 @@ def explain(
     *example_inputs: Any,
     options: BoostConfig | dict[str, Any] | None = None,
     backward: bool | None = None,
+    unit: str = "model",
 ) -> Explanation:
     """Compile ``model`` with the boost pipeline, run it once, and report what happened.
 
     ``backward``: also run a backward pass (default: when grad is enabled and the
     model has trainable parameters), so the backward graph is compiled and shown.
-    Parameter ``.grad`` values are restored afterwards.
+    Parameter ``.grad`` values are restored afterwards. ``unit="block"``: compile a copy of the
+    model block by block (``compile_blocks``) and show each block graph once, with the blocks
+    that run it.
     """
+    if unit not in ("model", "block"):
+        raise ValueError(f"unit must be 'model' or 'block', got {unit!r}")
     config = BoostConfig.from_options(options)
     recorder = Recorder()
     backend = functools.partial(compile_graph, config=config, recorder=recorder)
-    compiled = torch.compile(model, backend=backend)
+    shared: dict[int, list[str]] | None = None
+    if unit == "block":
+        import copy
+
+        model = copy.deepcopy(model)  # compiled in place: leave the user's model as it was
+        shared = _attribute_blocks(model, recorder, backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     params = [p for p in model.parameters() if p.requires_grad]
     if backward is None:
         backward = torch.is_grad_enabled() and bool(params)
@@ -322,7 +342,36 @@ def explain(
                 loss.backward()
     for p, g in zip(params, saved_grads, strict=True):
         p.grad = g
-    return Explanation(config, recorder.graphs, pipeline_io(model, example_inputs, out))
+    return Explanation(config, recorder.graphs, pipeline_io(model, example_inputs, out), shared)
+
+
+def _attribute_blocks(model: torch.nn.Module, recorder: Recorder, backend: Any) -> dict[int, list[str]]:
+    """Compile ``model``'s blocks with ``backend``; the returned map fills in as they run: a block
+    whose call compiled a graph runs that graph, one that compiled nothing reuses the graph last
+    compiled for a block of its class (Dynamo's cache of the block's code)."""
+    from boost_compile.blocks import compile_blocks
+
+    shared: dict[int, list[str]] = {}
+    last_of_class: dict[type, int] = {}
+    names = compile_blocks(model, backend=backend)
+    for name in names:
+        block = model.get_submodule(name)
+        before: list[int] = []
+
+        def pre(_m, _args, before=before):
+            before.append(len(recorder.graphs))
+
+        def post(m, _args, _out, name=name, before=before):
+            start = before.pop()
+            if len(recorder.graphs) > start:
+                last_of_class[type(m)] = start
+            index = last_of_class.get(type(m))
+            if index is not None and name not in shared.setdefault(index, []):
+                shared[index].append(name)
+
+        block.register_forward_pre_hook(pre)
+        block.register_forward_hook(post)
+    return shared
 
 
 def pipeline_io(model: torch.nn.Module, example_inputs: Sequence[Any], out: Any) -> dict[str, Any] | None:
@@ -380,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--inner", default=None, help="inner compiler (overrides --options)")
     parser.add_argument("--out", default="explain_out", help="folder for summary.md/json, code and drawings")
     parser.add_argument("--no-backward", action="store_true", help="explain the forward graph only")
+    parser.add_argument("--unit", default="model", choices=["model", "block"],
+                        help="compile the whole model as one graph, or each block (one graph per kind of block)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -391,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = LlamaConfig.preset(args.preset)
     model = Llama(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
-    report = explain(model, tokens, options=options, backward=not args.no_backward)
+    report = explain(model, tokens, options=options, backward=not args.no_backward, unit=args.unit)
     folder = report.save(args.out)
     print(report)
     print(f"wrote {folder}/summary.md, summary.json, per-stage .py and .dot files")

@@ -80,3 +80,26 @@ def test_console_script_installed():
         [sys.executable, "-m", "boost_compile.explain", "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and "--preset" in result.stdout
+
+
+def test_per_block_shows_each_block_graph_once_with_its_blocks(tmp_path):
+    """unit="block": a 4-layer CoLA model is one block graph run by all four blocks; LaX's first
+    block (no latents to take) has a graph of its own. The user's model is left uncompiled."""
+    from boost_compile.blocks import compiled_blocks
+
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    for preset, expected in (("tiny", {0: ["layers.0", "layers.1", "layers.2", "layers.3"]}),
+                             ("tiny-lax", {0: ["layers.0"], 1: ["layers.1", "layers.2", "layers.3"]})):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig.preset(preset, n_layers=4))
+        report = bc.explain(model, tokens, options={"inner": "aot_eager"}, unit="block")
+        assert report.blocks == expected, (preset, report.blocks)
+        assert len(report.graphs) == len(expected)
+        (group,) = [r for r in report.graphs[-1].reports if r.name == "group_linears"]
+        assert len(group.rewritten) == 2  # one block's q/k/v and gate/up downs
+        last = expected[len(expected) - 1]
+        assert f"Compiled once, run by {len(last)} block(s): {', '.join(last)}" in str(report)
+        assert compiled_blocks(model) == []
+    data = json.loads((report.save(tmp_path / "lax") / "summary.json").read_text())
+    assert data["blocks"] == {"0": ["layers.0"], "1": ["layers.1", "layers.2", "layers.3"]}
