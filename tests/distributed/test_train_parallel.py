@@ -22,8 +22,8 @@ from boost_compile.train.validate import tp_available, validate
 
 ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
 DP2 = (*ONE, "parallel=dp2")
-#: DP2 with zero=1, and low-rank checkpointing: a checkpointed DDP step compiles as one graph
-#: (train/parallel.py ddp_compile_settings), which must not change what it computes
+#: DP2 with zero=1, and low-rank checkpointing: each block compiled on its own, DDP's bucket cuts
+#: off (train/parallel.py ddp_compile_settings), which must not change what it computes
 ZERO = (*DP2, "parallel.zero=1", "++passes.options.checkpoint=lowrank")
 
 
@@ -48,8 +48,19 @@ def test_dp2_matches_single_process(ddp, references):
     """Two gloo ranks with half of the same global batch each follow the single-process losses."""
     assert ddp["world"] == 2 and ddp["steps"] == 6
     assert_train_parity(ddp, references, "dp2")
+    assert "compiled 2 blocks one by one" in (Path(ddp["run_dir"]) / "train.log").read_text()  # passes.unit=block
     # one DCP checkpoint, written by both ranks
     assert find_checkpoint(Path(ddp["run_dir"]) / "checkpoints").name == "step_000006"
+
+
+def test_dp2_whole_model_matches_single_process(references, tmp_path):
+    """passes.unit=model with low-rank checkpointing: the whole model as one graph under DDP (no
+    bucket cuts, the all-reduces after the backward) computes the same steps."""
+    run_ = torchrun(2, [*DP2, "passes.unit=model", "++passes.options.checkpoint=lowrank", "trainer.save_every=0"],
+                    tmp_path / "whole")
+    assert run_["world"] == 2 and run_["steps"] == 6
+    assert_train_parity(run_, references, "dp2 whole model")
+    assert "one by one" not in (tmp_path / "whole" / "train.log").read_text()
 
 
 def test_tp2_matches_single_process_and_resumes(references, tmp_path):
