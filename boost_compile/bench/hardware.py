@@ -73,6 +73,15 @@ class Hardware:
     #: seconds per collective of small collectives issued back to back, asynchronously, and
     #: waited for together (ZeRO-1's broadcasts); 0: not given, each then costs collective_latency
     queued_collective_latency: float = 0.0
+    #: share of a data-parallel all-reduce's time that runs beside the backward's compute when it is
+    #: issued during it (1: NCCL on its own channels); 0, not given: none, as on a CPU whose
+    #: cores the step already uses
+    dp_overlap: float = 0.0
+    #: seconds of one rank's cold compile (empty Inductor cache) of one block graph and the rest
+    #: of the step, for a per-block compile; 0: not measured for this hardware
+    cold_compile_s: float = 0.0
+    #: seconds each layer adds to a whole-model cold compile; 0: not measured
+    cold_compile_per_layer_s: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -92,7 +101,8 @@ HARDWARE_FIELDS = (
     "elementwise_efficiency",
 )
 #: fields a hardware file may leave out (then 0)
-OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidth", "queued_collective_latency")
+OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidth", "queued_collective_latency",
+                            "dp_overlap", "cold_compile_s", "cold_compile_per_layer_s")
 #: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
 MAY_BE_ZERO = ("gemm_half_intensity",)
 

@@ -132,6 +132,16 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
                  *(f"{r.terms_gib[t]:.2f}" for t in terms), "yes" if r.fits else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
+    if shown:
+        first = shown[0]
+        startup = (f"about {first.compile_s:.0f} s per rank, once per start and restart (one block graph: "
+                   "the blocks compile one by one)" if first.compile_s is not None and first.layout.tp == 1 else
+                   f"about {first.compile_s:.0f} s per rank, once per start and restart (a TP model compiles "
+                   "whole: it grows with the layers of a stage)" if first.compile_s is not None else
+                   f"not measured for {job.hardware.name} (its file has no cold_compile_s)")
+        lines += ["", f"Startup of the first choice, the cold compile (empty Inductor cache): {startup}."]
+        if first.overlap_s:
+            lines.append(f"Its data-parallel all-reduce hidden behind the backward: {-first.overlap_s:.3f} s a step.")
     return "\n".join(lines)
 
 

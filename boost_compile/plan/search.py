@@ -18,7 +18,7 @@ from boost_compile.bench import scale_model as sm
 from boost_compile.bench.hardware import Hardware
 from boost_compile.plan.memory import GIB, PRECISIONS, memory
 from boost_compile.plan.model import PLANS, ModelSpec
-from boost_compile.plan.timing import step_time
+from boost_compile.plan.timing import cold_compile, step_time
 
 CHECKPOINTS = ("none", "lowrank", "full")
 #: the schedules a compiled pipeline can run (zero_bubble splits the backward, which a compiled stage cannot)
@@ -90,6 +90,10 @@ class Row:
     fits: bool
     command: str
     recompute_s: float = 0.0
+    #: the data-parallel all-reduce hidden behind the backward (<= 0; plan.timing)
+    overlap_s: float = 0.0
+    #: one rank's cold compile before the first step (None: not measured for the hardware)
+    compile_s: float | None = None
 
     def as_json(self) -> dict:
         """The ``--json`` row: the layout's keys, ``step_s``, ``memory_gib``, ``fits``, ``command`` and the terms."""
@@ -172,7 +176,8 @@ def price(job: Job, layout: Layout) -> Row:
                  schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
                  stages_per_rank=lo.stages_per_rank)
     return Row(lo, t.step_s, job.batch * job.seq / t.step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
-               mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s)
+               mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
+               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware))
 
 
 def command(job: Job, layout: Layout) -> str:

@@ -27,6 +27,14 @@ mode, ZeRO and a schedule; this module adds what each costs:
 - **nodes**: a data-parallel group spanning nodes (tp x dp ranks of a stage beyond one
   node) all-reduces, and pipeline stages on different nodes send, at the hardware
   file's ``internode_bus_bandwidth``.
+- **data-parallel overlap** (``overlap_s``, negative): boost-train compiles a model without
+  tensor or pipeline parallelism block by block, and DDP all-reduces each block's gradient
+  bucket as that block's backward ends, beside the backward of the blocks below. Of the
+  scale model's data-parallel all-reduce (``dp_s``, priced after the backward) the hardware's
+  ``dp_overlap`` share of what the backward can hide is taken off: everything but the
+  bottom block's bucket (``dp_s / layers``), at most the backward of the blocks above it
+  (two thirds of the step's compute per layer, plus any recompute). A TP model compiles
+  whole and pipeline stages average their gradients after the schedule: no overlap there.
 - **schedule**: GPipe and 1F1B have the same bubble (the scale model's
   ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
   rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
@@ -63,6 +71,7 @@ class StepTime:
     schedule_s: float  # interleaving's change to the bubble and the sends
     internode_s: float  # a data-parallel all-reduce or pipeline sends across nodes: their extra time
     prediction: sm.Prediction
+    overlap_s: float = 0.0  # the data-parallel all-reduce hidden behind the backward (<= 0)
 
 
 def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, mode: str, hw: Hardware,
@@ -100,13 +109,13 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
         queued = hw.queued_collective_latency or hw.collective_latency
         zero_s = (sm.allgather_time(1, params * param_bytes, dp, hw) + (max(1, tensors) - 1) * queued
                   - pred.optimizer_s * (1 - 1 / dp))
-    internode_s = 0.0
+    internode_s = dp_internode_s = 0.0
     if dp_across_nodes and dp > 1 and hw.internode_bus_bandwidth:
         # the gradient all-reduce's ring crosses the nodes: it runs at the slower links' rate
         params = max(sm.stage_params(system, shape, tp, pp, head))
         payload = params * wl.grad_bytes
         slow = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth)
-        internode_s = sm.allreduce_time(1, payload, dp, slow) - sm.allreduce_time(1, payload, dp, hw)
+        internode_s = dp_internode_s = sm.allreduce_time(1, payload, dp, slow) - sm.allreduce_time(1, payload, dp, hw)
     if p2p_across_nodes and pp > 1 and hw.internode_bus_bandwidth:
         # the stages sit on different nodes: the sends go over the slower links
         tokens = mb * wl.seq
@@ -118,6 +127,29 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
         v = stages_per_rank
         stage_s = (pred.iteration_s - pred.optimizer_s - pred.dp_s - pred.p2p_s) / (m + pp - 1)
         schedule_s = -(pp - 1) * stage_s * (1 - 1 / v) + pred.p2p_s * (v - 1)
-    total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s
-    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred)
+    overlap_s = dp_overlap(pred, shape.layers, recompute_s, dp_internode_s, hw) if dp > 1 and tp == 1 and pp == 1 else 0.0
+    total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s + overlap_s
+    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s)
+
+
+def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s: float, hw: Hardware) -> float:
+    """Seconds (<= 0) of the data-parallel all-reduce hidden behind a per-block backward (see above)."""
+    reduce_s = pred.dp_s + internode_s
+    compute_s = pred.gemm_s + pred.attention_s + pred.elementwise_s
+    hideable = (2 / 3 * compute_s + recompute_s) * (layers - 1) / layers
+    return -hw.dp_overlap * min(reduce_s * (layers - 1) / layers, hideable)
+
+
+def cold_compile(layers: int, tp: int, pp: int, hw: Hardware) -> float | None:
+    """Seconds of one rank's cold compile before its first step (None: not measured for ``hw``).
+
+    Per block (no TP; pipeline stages too) one block graph, whatever the depth; a TP model
+    compiles whole, growing by ``cold_compile_per_layer_s`` for each layer its stage holds
+    beyond two (the depth the per-block figure was measured from)."""
+    if not hw.cold_compile_s:
+        return None
+    if tp == 1:
+        return hw.cold_compile_s
+    stage = max(sm.stage_layers(layers, pp))
+    return hw.cold_compile_s + hw.cold_compile_per_layer_s * max(0, stage - 2)
 

@@ -360,6 +360,54 @@ def test_zero1_pays_the_first_broadcast_in_step_and_the_others_queued():
     assert zero_cost(collective_latency=1e-3, queued_collective_latency=0.0) - base == pytest.approx((tensors - 1) * 9e-4)
 
 
+def test_dp_overlap_hides_all_but_the_bottom_blocks_reduction():
+    """Per block (tp1 pp1), the hardware's dp_overlap share of the all-reduce is hidden, never the
+    bottom block's bucket; TP (compiled whole) and pipeline stages keep it all; the CPU file none."""
+    from boost_compile.plan.timing import step_time
+
+    j = job(devices=2)
+    shape, layers = j.spec.scale_shape(), j.spec.n_layers
+    from boost_compile.bench import scale_model as sm
+
+    def timed(hw, tp=1, pp=1, dp=2):
+        wl = sm.Workload(seq=j.seq, batch=j.batch, dtype_bytes=4)
+        return step_time(shape, "btp", tp=tp, pp=pp, dp=dp, microbatches=2 if pp > 1 else 1, schedule="1f1b",
+                         stages_per_rank=1, checkpoint="none", zero=0, hw=hw, wl=wl, param_bytes=4)
+
+    gpu = j.hardware
+    assert gpu.dp_overlap == 1.0
+    t = timed(gpu)
+    assert t.overlap_s < 0
+    assert -t.overlap_s <= t.prediction.dp_s * (layers - 1) / layers + 1e-12
+    assert t.step_s == pytest.approx(t.base_s + t.overlap_s)
+    half = timed(replace(gpu, dp_overlap=0.5))
+    assert half.overlap_s == pytest.approx(t.overlap_s / 2)
+    assert timed(gpu, tp=2, dp=1).overlap_s == 0.0 and timed(gpu, tp=2, dp=2).overlap_s == 0.0
+    assert timed(gpu, pp=2).overlap_s == 0.0
+    assert timed(load_hardware("cpu")).overlap_s == 0.0
+
+
+def test_cold_compile_per_rank():
+    from boost_compile.plan.timing import cold_compile
+
+    cpu = load_hardware("cpu")
+    assert cold_compile(2, 1, 1, cpu) == cold_compile(32, 1, 1, cpu) == cpu.cold_compile_s  # per block: flat
+    assert cold_compile(32, 2, 1, cpu) == pytest.approx(cpu.cold_compile_s + 30 * cpu.cold_compile_per_layer_s)
+    assert cold_compile(32, 2, 2, cpu) == pytest.approx(cpu.cold_compile_s + 14 * cpu.cold_compile_per_layer_s)
+    assert cold_compile(32, 1, 1, load_hardware("h200")) is None
+
+
+def test_boost_plan_prints_the_startup_line(capsys):
+    assert cli.main(["--model", "cola-60m", "--devices", "2", "--batch", "8", "--seq", "128", "--hardware", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "Startup of the first choice, the cold compile (empty Inductor cache): about 22 s per rank" in text
+    assert cli.main(["--model", "cola-1b", "--devices", "2", "--batch", "4", "--seq", "4096",
+                     "--hardware", "a100-80gb-nvlink"]) == 0
+    text = capsys.readouterr().out
+    assert "| 1 | tp1 dp2 ckpt=none |" in text and "not measured for a100-80gb-nvlink" in text
+    assert "Its data-parallel all-reduce hidden behind the backward: 0.0" in text
+
+
 # ----------------------------------------------------------------------------- boost-bench plan's arithmetic
 
 
