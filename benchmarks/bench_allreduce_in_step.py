@@ -67,8 +67,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=12)
     args = p.parse_args()
-    from boost_compile.bench import scale_model as sm
-    from boost_compile.bench.hardware import load_hardware
+    from boost_compile.costmodel import scale_model as sm
+    from boost_compile.costmodel.hardware import load_hardware
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from boost_compile.bench.hardware import load_hardware
-from boost_compile.bench.scale_model import SHAPES, allreduce_time
+from boost_compile.costmodel.hardware import load_hardware
+from boost_compile.costmodel.scale_model import SHAPES, allreduce_time
 
 #: the ranks that the two normed groups carry per layer: q/k/v and gate/up, rank r each
 GROUP_WIDTHS = (3, 2)

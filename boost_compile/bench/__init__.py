@@ -1,6 +1,6 @@
 """``boost-bench``: side-by-side benchmarks, each a table of ratios against named baselines."""
 
-from boost_compile.bench.formulas import (
+from boost_compile.costmodel.formulas import (
     PAPER_SHAPES,
     PUBLISHED_7B_GB,
     LayerBytes,

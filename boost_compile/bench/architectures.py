@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from boost_compile.bench.hardware import Hardware
-from boost_compile.bench.scale_model import SHAPES, Shape, Workload, predict, relative_error
+from boost_compile.costmodel.hardware import Hardware
+from boost_compile.costmodel.scale_model import SHAPES, Shape, Workload, predict, relative_error
 
 #: BOOST.md section 6: iteration time (s) of each architecture at 7B, TP 4, PP 1
 PUBLISHED_7B_TP4 = {"full-rank": 1.06, "lowrank": 0.70, "cola": 0.72, "lax": 0.75}

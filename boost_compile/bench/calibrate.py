@@ -68,7 +68,8 @@ from typing import Any
 import torch
 
 from boost_compile import _torch_compat as compat
-from boost_compile.bench import compare, hardware, scale_model
+from boost_compile.bench import compare
+from boost_compile.costmodel import hardware, scale_model
 from boost_compile.process_exit import exit_without_finalizing
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hardware", "cpu.json")

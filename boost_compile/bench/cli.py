@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from boost_compile.bench import calibrate, memory, plan, pp, report, scale, single, tp
-from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, save, stamp
+from boost_compile.costmodel.formulas import analytic_table
 
 #: name -> (help, add_arguments, run, chart)
 BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Result], Any]] = {

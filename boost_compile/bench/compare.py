@@ -3,7 +3,7 @@
 ``boost-bench tp`` and ``boost-bench pp`` time training steps on two gloo
 processes and save every variant's median step in ``tp.json`` and ``pp.json``,
 with the shapes they ran (size, sequence, batch, vocabulary, micro-batches).
-Each variant is one configuration of :func:`boost_compile.bench.scale_model.predict`:
+Each variant is one configuration of :func:`boost_compile.costmodel.scale_model.predict`:
 
     tp: dense, megatron             full-rank TP2      dense, 1 process   full-rank TP1
         CoLA, vanilla (DTensor)     vanilla TP2        CoLA, 1 process    btp TP1
@@ -31,8 +31,9 @@ import argparse
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from boost_compile.bench import hardware, pp, scale_model, tp
+from boost_compile.bench import pp, tp
 from boost_compile.bench.results import Result, Target, bar_chart, load
+from boost_compile.costmodel import hardware, scale_model
 
 #: the acceptance bound on the relative error of each predicted step
 TARGET_ERROR = 0.20

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from boost_compile.bench import plan_measure
-from boost_compile.bench.hardware import load_hardware
 from boost_compile.bench.results import Result, Target, bar_chart
+from boost_compile.costmodel.hardware import load_hardware
 from boost_compile.plan.memory import GIB, memory
 from boost_compile.plan.model import from_preset
 from boost_compile.plan.published import cluster_choice, published_choices, why

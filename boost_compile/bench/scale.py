@@ -1,8 +1,8 @@
 """``boost-bench scale``: the analytic scale model beside BOOST.md's published figures.
 
-The model (:mod:`boost_compile.bench.scale_model`, with the constants of a
-hardware file, :mod:`boost_compile.bench.hardware`) predicts every row of
-BOOST.md section 6 (:data:`PUBLISHED`, always with the vocabulary-parallel head),
+The model (:mod:`boost_compile.costmodel.scale_model`, with the constants of a
+hardware file, :mod:`boost_compile.costmodel.hardware`) predicts every row of
+BOOST.md section 6 (:data:`~boost_compile.costmodel.published.PUBLISHED`, always with the vocabulary-parallel head),
 every shape at TP 1-8 (the head of ``--head``), both head modes at 7B
 (vocabulary 32,000, TP 1-8), and the architectures BOOST trains at 7B TP4 (plain
 low-rank, CoLA, LaX; :mod:`boost_compile.bench.architectures`). ``--micro-batches`` sets the pipeline's micro-batches.
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from boost_compile.bench import architectures, compare
-from boost_compile.bench.hardware import (
+from boost_compile.bench.results import Result, Target, bar_chart
+from boost_compile.costmodel.hardware import (
     DEFAULT_HARDWARE,
     HARDWARE_FIELDS,
     HARDWARE_FILES,
     Hardware,
     load_hardware,
 )
-from boost_compile.bench.results import Result, Target, bar_chart
-from boost_compile.bench.scale_model import (
+from boost_compile.costmodel.published import PUBLISHED
+from boost_compile.costmodel.scale_model import (
     DEFAULT_HEAD,
     HEADS,
     SHAPES,
@@ -54,34 +55,6 @@ TARGET_ERROR = 0.15
 #: the report's table of the two head modes: this shape of SHAPES, with this vocabulary
 HEAD_TABLE_MODEL = "7B"
 HEAD_TABLE_VOCAB = 32000
-
-
-@dataclass(frozen=True)
-class Published:
-    """A row of BOOST.md section 6 (A100, bf16, seq 4096, batch 4): iteration times in s."""
-
-    model: str
-    tp: int
-    pp: int
-    full_rank: float
-    vanilla: float
-    btp: float
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def times(self) -> dict[str, float]:
-        return {"full-rank": self.full_rank, "vanilla": self.vanilla, "btp": self.btp}
-
-
-PUBLISHED = (
-    Published("1B", 1, 1, 0.85, 0.56, 0.59),
-    Published("3B", 2, 1, 1.14, 1.41, 0.78),
-    Published("7B", 4, 1, 1.06, 1.64, 0.72),
-    Published("13B", 4, 2, 2.07, 2.42, 1.30),
-)
 
 
 # ----------------------------------------------------------------------------- the published rows

@@ -46,8 +46,8 @@ import torch
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis.fx_utils import in_blocks
 from boost_compile.bench import profile, timing
-from boost_compile.bench.formulas import analytic_table
 from boost_compile.bench.results import Result, Target, bar_chart
+from boost_compile.costmodel.formulas import analytic_table
 from boost_compile.models.llama import NORMS
 from boost_compile.process_exit import exit_without_finalizing
 

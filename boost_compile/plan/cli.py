@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from boost_compile.bench.hardware import HARDWARE_FILES, load_hardware
+from boost_compile.costmodel.hardware import HARDWARE_FILES, load_hardware
 from boost_compile.plan.memory import PRECISIONS
 from boost_compile.plan.model import ModelSpec, factorized, from_hf_config, from_preset
 from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory

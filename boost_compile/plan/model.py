@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from boost_compile.bench import scale_model
+from boost_compile.costmodel import scale_model
 
 #: projection kinds of the reference model (``LlamaConfig.projection``)
 LOW_RANK = ("cola", "lowrank", "lax")

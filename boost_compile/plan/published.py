@@ -1,7 +1,7 @@
 """The planner on BOOST.md section 6's settings: its choice beside the published layout.
 
 BOOST.md trains CoLA 1B on 1, 3B on 2, 7B on 4 and 13B on 8 A100-80GB (batch 4 x
-4096, bf16) with the layouts of :data:`boost_compile.bench.scale.PUBLISHED`.
+4096, bf16) with the layouts of :data:`boost_compile.costmodel.published.PUBLISHED`.
 :func:`published_choices` prices the published layout (btp, no checkpointing, no
 ZeRO, one micro-batch through the pipeline, as the scale model reproduces the
 published times) and asks the planner for its own choice on the same devices;
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from boost_compile.bench.hardware import load_hardware
-from boost_compile.bench.scale import PUBLISHED
-from boost_compile.bench.scale_model import SHAPES
+from boost_compile.costmodel.hardware import load_hardware
+from boost_compile.costmodel.published import PUBLISHED
+from boost_compile.costmodel.scale_model import SHAPES
 from boost_compile.plan.model import ModelSpec, from_preset
 from boost_compile.plan.search import Job, Layout, Row, best, price, search, usable_memory
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 
-from boost_compile.bench import scale_model as sm
-from boost_compile.bench.hardware import Hardware
+from boost_compile.costmodel import scale_model as sm
+from boost_compile.costmodel.hardware import Hardware
 from boost_compile.plan.memory import GIB, PRECISIONS, memory
 from boost_compile.plan.model import PLANS, ModelSpec
 from boost_compile.plan.timing import cold_compile, step_time

@@ -1,6 +1,6 @@
 """The planner's step time: the scale model's iteration, plus recompute, ZeRO-1 and the schedule.
 
-:func:`boost_compile.bench.scale_model.predict` prices one iteration of a (tp, pp,
+:func:`boost_compile.costmodel.scale_model.predict` prices one iteration of a (tp, pp,
 dp) layout under 1F1B without recomputation. A layout also names a checkpoint
 mode, ZeRO and a schedule; this module adds what each costs:
 
@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from boost_compile.bench import scale_model as sm
-from boost_compile.bench.hardware import Hardware
+from boost_compile.costmodel import scale_model as sm
+from boost_compile.costmodel.hardware import Hardware
 
 #: the plan's system in the scale model
 SYSTEMS = {"btp": "btp", "vanilla": "vanilla", "megatron": "full-rank"}

@@ -90,7 +90,7 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device_type is None:
         device_type = tc.trainer.device if tc.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    from boost_compile.bench.hardware import load_hardware
+    from boost_compile.costmodel.hardware import load_hardware
 
     par = tc.parallel
     try:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from boost_compile.bench import cli, profile, scale_model
+from boost_compile.bench import cli, profile
 from boost_compile.bench.results import load
-from boost_compile.bench.scale_model import layernorm_statistic_bytes
+from boost_compile.costmodel import scale_model
+from boost_compile.costmodel.scale_model import layernorm_statistic_bytes
 from boost_compile.models import Llama, LlamaConfig
 
 SEQ, BATCH, MICRO = 16, 4, 2

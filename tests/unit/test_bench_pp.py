@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from boost_compile.bench import calibrate, cli, hardware, pp, scale_model
+from boost_compile.bench import calibrate, cli, pp
+from boost_compile.costmodel import hardware, scale_model
 
 
 def test_ratios_against_the_baseline():

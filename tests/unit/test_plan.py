@@ -17,8 +17,8 @@ import torch
 
 from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder, compile_graph
-from boost_compile.bench.hardware import load_hardware
 from boost_compile.config import BoostConfig
+from boost_compile.costmodel.hardware import load_hardware
 from boost_compile.models import Llama, LlamaConfig
 from boost_compile.passes.saved_tensors import activation_bytes
 from boost_compile.plan import cli
@@ -367,7 +367,7 @@ def test_dp_overlap_hides_all_but_the_bottom_blocks_reduction():
 
     j = job(devices=2)
     shape, layers = j.spec.scale_shape(), j.spec.n_layers
-    from boost_compile.bench import scale_model as sm
+    from boost_compile.costmodel import scale_model as sm
 
     def timed(hw, tp=1, pp=1, dp=2):
         wl = sm.Workload(seq=j.seq, batch=j.batch, dtype_bytes=4)

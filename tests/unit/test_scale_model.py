@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from boost_compile.bench import PAPER_SHAPES, bytes_per_layer, hardware, scale, scale_model
-from boost_compile.bench.scale_model import Gemm, Shape, Workload
+from boost_compile.bench import PAPER_SHAPES, bytes_per_layer, scale
+from boost_compile.costmodel import hardware, scale_model
+from boost_compile.costmodel.scale_model import Gemm, Shape, Workload
 
 #: made-up hardware with round numbers
 TOY_HW = hardware.Hardware(

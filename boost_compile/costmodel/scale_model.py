@@ -94,7 +94,7 @@ batch is one micro-batch).
 
 Head: ``predict(..., head=...)`` picks one of :data:`HEADS` (default
 vocabulary-parallel). The constants come from a hardware file
-(:mod:`boost_compile.bench.hardware`); the comparison with BOOST.md and the
+(:mod:`boost_compile.costmodel.hardware`); the comparison with BOOST.md and the
 command line are :mod:`boost_compile.bench.scale`.
 """
 
@@ -103,8 +103,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from boost_compile.bench.formulas import PAPER_SHAPES, ring_bytes_per_rank
-from boost_compile.bench.hardware import Hardware, load_hardware
+from boost_compile.costmodel.formulas import PAPER_SHAPES, ring_bytes_per_rank
+from boost_compile.costmodel.hardware import Hardware, load_hardware
 
 SYSTEMS = ("full-rank", "vanilla", "btp")
 #: the low-rank model of vanilla and btp (``Shape.arch``): plain low-rank, CoLA, LaX
