@@ -1,15 +1,6 @@
 """``boost-bench``: side-by-side benchmarks, each a table of ratios against named baselines."""
 
-from boost_compile.costmodel.formulas import (
-    PAPER_SHAPES,
-    PUBLISHED_7B_GB,
-    LayerBytes,
-    analytic_table,
-    bytes_per_layer,
-    ring_bytes_per_rank,
-)
-
-__all__ = ["main", "PAPER_SHAPES", "PUBLISHED_7B_GB", "LayerBytes", "analytic_table", "bytes_per_layer", "ring_bytes_per_rank"]
+__all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -375,7 +375,7 @@ class Collectives:
 
 
 def layer_collectives(system: str, shape: Shape, tokens: int, dtype_bytes: int = 2, p: int = 1) -> Collectives:
-    """One layer's all-reduces (payload = tensor size, as ``bench.bytes_per_layer`` counts it).
+    """One layer's all-reduces (payload = tensor size, as ``formulas.bytes_per_layer`` counts it).
 
     btp on a LayerNorm model (``shape.norm``) adds, in each of the two norms' forward
     all-reduces, the fp32 statistics of online LayerNorm: [T, 1 + p] (the sum of squares

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from boost_compile.bench import analytic_table, bytes_per_layer, ring_bytes_per_rank
+from boost_compile.costmodel.formulas import analytic_table, bytes_per_layer, ring_bytes_per_rank
 
 
 def test_bytes_per_layer_7b_by_hand():

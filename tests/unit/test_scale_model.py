@@ -9,8 +9,9 @@ import json
 
 import pytest
 
-from boost_compile.bench import PAPER_SHAPES, bytes_per_layer, scale
+from boost_compile.bench import scale
 from boost_compile.costmodel import hardware, scale_model
+from boost_compile.costmodel.formulas import PAPER_SHAPES, bytes_per_layer
 from boost_compile.costmodel.scale_model import Gemm, Shape, Workload
 
 #: made-up hardware with round numbers
@@ -106,7 +107,7 @@ def test_allreduce_alpha_beta_by_hand():
 
 
 @pytest.mark.parametrize("tokens", [10, 16384])
-def test_forward_payload_equals_bench_bytes_per_layer(tokens):
+def test_forward_payload_equals_formulas_bytes_per_layer(tokens):
     for name, d, d_ff, layers, heads in [*PAPER_SHAPES, ("toy", 64, 128, 4, 4)]:
         shape = Shape(name, d, d_ff, layers, heads)
         ref = bytes_per_layer(tokens, d, d_ff, d // 4)
