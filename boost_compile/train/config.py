@@ -139,6 +139,10 @@ class ParallelConfig:
     zero: int = 0
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""
+    bucket_mb: float = 25.0
+    """DDP's gradient bucket in MiB (``bucket_cap_mb``). A bucket is all-reduced as soon as all
+    its gradients are ready: compiled per block, as the blocks' backwards end one by one, so a
+    smaller bucket starts earlier and a larger one pays fewer collective latencies."""
     layout: Annotated[str, Literal["manual", "auto"]] = "manual"
     """``auto`` (``parallel=auto``): the layout planner (:mod:`boost_compile.plan`) chooses tp, pp,
     dp, zero, microbatches, pp_schedule, stages_per_rank, plan and ``passes.options.checkpoint``
@@ -157,6 +161,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"parallel.bucket_mb={self.bucket_mb!r} is not valid; give a positive size in MiB")
 
     @property
     def n_microbatches(self) -> int:

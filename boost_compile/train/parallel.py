@@ -242,8 +242,9 @@ def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:
     return True
 
 
-def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Module:
-    """DDP over the dp dimension around the compiled module (one graph, grads averaged)."""
+def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist, bucket_mb: float = 25.0) -> nn.Module:
+    """DDP over the dp dimension around the compiled module, gradients averaged in buckets of
+    ``bucket_mb`` MiB (``parallel.bucket_mb``)."""
     if dev.dp == 1:
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -257,6 +258,7 @@ def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist) -> nn.Mod
         process_group=dev.group("dp"),
         broadcast_buffers=False,
         device_ids=[dev.device.index] if dev.device.type == "cuda" else None,
+        bucket_cap_mb=bucket_mb,
     )
 
 
@@ -329,7 +331,7 @@ def build_model_parts(
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
     per_block = compiled is model and tc.passes.backend != "none"  # compiled in place, block by block
-    train_fn = wrap_data_parallel(compiled, model, dev)
+    train_fn = wrap_data_parallel(compiled, model, dev, tc.parallel.bucket_mb)
     # a TP model runs only through the backend; compiled per block, the model is its own compiled form
     eval_fn = compiled if dev.tp > 1 or per_block else model
     return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn,

@@ -80,3 +80,27 @@ def test_pipeline_configs_that_validate(overrides, world):
 def test_zero_refusals(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_of(*overrides), world_size=world)
+
+
+def test_ddp_bucket_size_is_a_setting(tmp_path):
+    """parallel.bucket_mb reaches DDP's bucket_cap_mb; a size that is not positive is refused."""
+    import torch
+    import torch.distributed as dist
+
+    from boost_compile.config import ConfigError
+    from boost_compile.train.config import ParallelConfig
+    from boost_compile.train.parallel import Dist, wrap_data_parallel
+
+    assert ParallelConfig().bucket_mb == 25.0  # DDP's own default
+    with pytest.raises(ConfigError, match="parallel.bucket_mb=0"):
+        ParallelConfig(bucket_mb=0)
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        dev = Dist(world=1, rank=0, dp=2, tp=1, device=torch.device("cpu"))  # dp > 1: DDP wraps it
+        ddp = wrap_data_parallel(model, model, dev, bucket_mb=0.5)
+        assert ddp.bucket_bytes_cap == 512 * 1024
+    finally:
+        dist.destroy_process_group()
