@@ -326,3 +326,19 @@ def test_a_trace_builds_the_payloads(payload_spy: list[str], captured: _Artifact
     for name in ("render_module", "render_graph", "report_payload", "collectives_of", "collectives_payload", "boost_rmsnorm_report"):
         assert name in payload_spy, name
     assert len(captured.named("boost_rmsnorm_report")) == 1
+
+
+def test_per_block_trace_shows_the_block_rewrite_once(captured: _Artifacts) -> None:
+    """compile_blocks on four identical blocks: the trace holds one block graph's pass reports
+    (the blocks share it), each rewrite of one block, not four."""
+    from boost_compile import compile_blocks
+    from boost_compile.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_layers=4))
+    compile_blocks(model, {"inner": "aot_eager"})
+    tokens = torch.randint(0, 256, (1, 16))
+    model(tokens, tokens).backward()
+    (group,) = [json.loads(p) for p in captured.named("boost_group_linears_report")]
+    assert len(group["rewritten"]) == 2, group  # one block's q/k/v and gate/up downs
+    assert all(not site.startswith("layers.") for site in group["rewritten"]), group
