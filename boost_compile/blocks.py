@@ -35,14 +35,15 @@ class BlockCompileError(ValueError):
 
 
 def find_blocks(model: nn.Module) -> list[str]:
-    """Names of the model's repeated blocks: the children of its largest ``nn.ModuleList`` or
-    ``nn.ModuleDict`` whose children are all of one class (a decoder's ``layers``).
+    """Names of the model's repeated blocks: the children of its largest ``nn.ModuleList``,
+    ``nn.ModuleDict`` or ``nn.Sequential`` whose children are all of one class (a decoder's
+    ``layers``), by parameter count.
 
     Raises BlockCompileError when the model has none (name them with ``blocks=``).
     """
     best: tuple[int, list[str]] | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) == 0:
             continue
         children = list(module.named_children())
         if len({type(child) for _n, child in children}) != 1:
@@ -53,7 +54,7 @@ def find_blocks(model: nn.Module) -> list[str]:
             best = (size, names)
     if best is None:
         raise BlockCompileError(
-            f"{type(model).__name__} has no nn.ModuleList or nn.ModuleDict of blocks of one class; "
+            f"{type(model).__name__} has no nn.ModuleList, nn.ModuleDict or nn.Sequential of blocks of one class; "
             "name the blocks to compile with blocks=[...] or compile the whole model"
         )
     return best[1]
@@ -95,6 +96,8 @@ def compile_blocks(
 
         BoostConfig.from_options(dict(options))  # a bad option fails here, not at the first step
     names = list(blocks) if blocks is not None else find_blocks(model)
+    if not names:
+        raise BlockCompileError("blocks=[] names no block to compile")
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)

@@ -70,6 +70,36 @@ def test_a_model_without_blocks_is_refused_by_name():
         compile_blocks(TwoLinears())
     with pytest.raises(BlockCompileError, match="no submodule 'layers.9'"):
         compile_blocks(_model("tiny"), blocks=["layers.9"])
+    with pytest.raises(BlockCompileError, match="names no block"):
+        compile_blocks(_model("tiny"), blocks=[])
+
+
+def test_blocks_in_a_sequential_are_found_and_mixed_containers_are_not():
+    """An nn.Sequential of identical blocks is a block list; one of mixed layers (an MLP) is not."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.proj(x).relu()
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 8))  # the most parameters
+            self.trunk = nn.Sequential(*(Residual() for _ in range(3)))
+
+        def forward(self, x):
+            return self.trunk(self.mlp(x))
+
+    model = Blocks()
+    assert find_blocks(model) == ["trunk.0", "trunk.1", "trunk.2"]
+    x = torch.randn(2, 8)
+    expected = model(x)
+    compile_blocks(model, backend="eager", fullgraph=True)
+    assert compiled_blocks(model) == ["trunk.0", "trunk.1", "trunk.2"]
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
 
 def test_a_tensor_parallel_model_is_refused():
