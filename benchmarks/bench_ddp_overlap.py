@@ -85,9 +85,8 @@ def _summary(rows: list, unit: str) -> dict:
     backward = [(ms(s), ms(e)) for name, s, e in rows if name.startswith("CompiledFunctionBackward")]
     backward.sort()
     autograd = [(ms(s), ms(e)) for name, s, e in rows if name.startswith("autograd::engine::evaluate_function")]
-    reduces = sorted(ms(s) for name, s, _e in rows
-                     if name in ("c10d::allreduce_", "gloo:all_reduce") or name.startswith("record_param_comms"))
-    reduces = sorted(set(round(r, 3) for r in reduces))
+    reduces = sorted({round(ms(s), 3) for name, s, _e in rows
+                      if name in ("c10d::allreduce_", "gloo:all_reduce") or name.startswith("record_param_comms")})
     bottom = backward[-1][0] if backward else None  # the last compiled backward to start: layers.0 (or the whole)
     return {
         "unit": unit,
