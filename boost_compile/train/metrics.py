@@ -263,10 +263,13 @@ class WandbWriter:
 
         try:
             run.finish(exit_code=1 if failed else 0)
+        except Exception as exc:
+            log.warning("wandb: finishing the run failed (%s: %s)", type(exc).__name__, exc)
+        try:  # waited for even when finish failed: what the service holds is still written
             if wandb.run is None:
                 wandb.teardown()
         except Exception as exc:
-            log.warning("wandb: finishing the run failed (%s: %s)", type(exc).__name__, exc)
+            log.warning("wandb: waiting for wandb's service failed (%s: %s)", type(exc).__name__, exc)
 
 
 class MetricsWriter:
