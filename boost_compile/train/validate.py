@@ -11,8 +11,12 @@ loads the tokenizer it names (:func:`check_tokenizer`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
 import os
+import types
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,8 +51,105 @@ class ModelShape:
     hf_config: Any = None  # transformers PretrainedConfig for hf
 
 
+#: Root keys that are not the schema's: the node Hydra adds to a config composed with
+#: ``return_hydra_config`` (a task's config does not carry it).
+HYDRA_KEYS = frozenset({"hydra"})
+
+
+def _schema_of(hint: Any) -> tuple[str, Any]:
+    """What a field's type says about the keys beneath it: ``("schema", cls)`` for a dataclass,
+    ``("items", cls)`` for a list or tuple of dataclasses, ``("free", None)`` for a dict or
+    ``Any`` (keys the schema does not name: ``model.overrides``, ``passes.options``, ...),
+    ``("leaf", None)`` for a value without keys."""
+    if typing.get_origin(hint) is typing.Annotated:
+        hint = typing.get_args(hint)[0]
+    options = [a for a in typing.get_args(hint) if a is not type(None)] if _is_union(hint) else [hint]
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if option is Any or (isinstance(origin, type) and issubclass(origin, Mapping)):
+            return "free", None
+        if dataclasses.is_dataclass(option):
+            return "schema", option
+        if origin in (list, tuple):
+            items = [a for a in typing.get_args(option) if dataclasses.is_dataclass(a)]
+            if items:
+                return "items", items[0]
+    return "leaf", None
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _first_leaf(key: str, value: Any) -> str:
+    """The dotted key of the first value under ``value`` (``foo.bar`` for ``+foo.bar=1``)."""
+    while isinstance(value, Mapping) and value:
+        name, value = next(iter(value.items()))
+        key = f"{key}.{name}"
+    return key
+
+
+def _unknown_key(node: Mapping, cls: type, prefix: str) -> str | None:
+    """The refusal of the first key of ``node`` (and below) that dataclass ``cls`` does not
+    declare; None when every key is declared. Dict-typed fields take any key."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            if not prefix and name in HYDRA_KEYS:
+                continue
+            return _refusal(key, _first_leaf(key, value), fields, prefix)
+        kind, inner = _schema_of(hints[name])
+        children: list[tuple[str, Any]] = []
+        if kind == "schema":
+            children = [(f"{key}.", value)]
+        elif kind == "items" and isinstance(value, (list, tuple)):
+            children = [(f"{key}[{i}].", item) for i, item in enumerate(value)]
+        for child_prefix, child in children:
+            found = _unknown_key(child, inner, child_prefix) if isinstance(child, Mapping) else None
+            if found:
+                return found
+    return None
+
+
+def _refusal(key: str, leaf: str, fields: list[str], prefix: str) -> str:
+    """One line: the unknown key as given, the declared keys nearest to it, all its siblings."""
+    name = key.removeprefix(prefix)
+    lowered = {f.lower(): f for f in fields}
+    near = [lowered[n] for n in difflib.get_close_matches(name.lower(), list(lowered), n=3)]
+    rest = leaf.removeprefix(key)  # foo.bar: the keys given below the unknown one
+    where = prefix.rstrip(".") or "the config"
+    notes = [f"{where} has no key {name}"] if rest else []
+    if near:
+        notes.append(f"did you mean {' or '.join(prefix + n + rest for n in near)}?")
+    message = f"unknown config key {leaf}" + (f" ({'; '.join(notes)})" if notes else "")
+    message += f"; the keys of {where}: {', '.join(fields)}; "
+    if near:
+        return message + "the fix is the spelling, not leaving out the +"
+    return message + "boost-train has no such setting, and leaving out the + does not add one"
+
+
+def check_known_keys(cfg: Any) -> None:
+    """ConfigError naming the first key of ``cfg`` that :class:`TrainConfig` does not declare.
+
+    Hydra's ``+key=value`` adds a key past the schema's struct check (``+optim.lrr=0.5``), and
+    converting the config to :class:`TrainConfig` would then drop it without a word: the run
+    would train with the default. The free-form fields (dict-typed: ``model.overrides``,
+    ``model.hf_config``, ``passes.options``) take any key; their own checks read them.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    if isinstance(node, Mapping):
+        refusal = _unknown_key(node, TrainConfig, "")
+        if refusal:
+            raise ConfigError(refusal)
+
+
 def to_train_config(cfg: Any) -> TrainConfig:
-    """A :class:`TrainConfig` from a DictConfig (as Hydra gives it), a dict or itself."""
+    """A :class:`TrainConfig` from a DictConfig (as Hydra gives it), a dict or itself; a key
+    the schema does not declare is refused (:func:`check_known_keys`)."""
     if isinstance(cfg, TrainConfig):
         return cfg
     from omegaconf import DictConfig, OmegaConf
@@ -56,6 +157,10 @@ def to_train_config(cfg: Any) -> TrainConfig:
 
     if not isinstance(cfg, (dict, DictConfig)):
         raise ConfigError(f"expected a config, got {type(cfg).__name__}")
+    check_known_keys(cfg)
+    if any(key in cfg for key in HYDRA_KEYS):  # Hydra's own settings, not the run's
+        keys = [k for k in cfg if k not in HYDRA_KEYS]
+        cfg = {k: cfg[k] for k in keys} if isinstance(cfg, dict) else OmegaConf.masked_copy(cfg, keys)
     try:
         if isinstance(cfg, dict) or OmegaConf.get_type(cfg) is not TrainConfig:
             cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
