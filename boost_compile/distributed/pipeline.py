@@ -501,6 +501,7 @@ def build_schedule(
     *,
     batch_size: int | None = None,
     device: torch.device | str | None = None,
+    scale_grads: bool = True,
 ) -> Any:
     """Wrap this rank's stage modules in ``PipelineStage`` and return the PyTorch schedule.
 
@@ -513,7 +514,9 @@ def build_schedule(
     use micro-batches of that shape). ``batch_size``, when given, is checked to be
     ``n_microbatches`` such micro-batches. The loss ``loss_fn(logits, targets)`` is
     a micro-batch mean; gradients are divided by ``n_microbatches`` (PyTorch's
-    ``scale_grads``), so they are those of the mean over the batch. A last stage
+    ``scale_grads``), so they are those of the mean over the batch; ``scale_grads=False``
+    leaves them summed over the micro-batches, for a caller that accumulates several
+    steps and divides once. A last stage
     parallelized with ``shard_logits=True`` returns its vocabulary slice of the
     logits and takes ``loss_fn=vocab_parallel_loss(stage)`` (any other is refused).
     """
@@ -579,8 +582,8 @@ def build_schedule(
                                                input_args=(inp,), output_args=(out,), group=group))
     cls = getattr(pipelining, cls_name)
     if multi:
-        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
-    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)
+        return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def pipeline_step(schedule: Any, tokens: Tensor | None, targets: Tensor | None) -> Tensor | None:

@@ -157,11 +157,12 @@ def zero_share(numels: list[int], dp: int) -> int:
 def memory(
     spec: ModelSpec, plan: str, *, tp: int, pp: int, dp: int, zero: int, microbatches: int, schedule: str,
     checkpoint: str, batch: int, seq: int, precision: str = "fp32", stages_per_rank: int = 1,
-    vocab_parallel: bool = True, pp_rank: int | None = None,
+    vocab_parallel: bool = True, pp_rank: int | None = None, accumulating: bool = False,
 ) -> Memory:
     """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences.
 
-    The busiest pipeline rank's (the highest peak), or ``pp_rank``'s.
+    The busiest pipeline rank's (the highest peak), or ``pp_rank``'s. ``accumulating``: ``batch``
+    is one micro-step of gradient accumulation, whose backward adds to gradients already live.
     """
     prec = PRECISIONS[precision]
     stages = stage_blocks(spec, pp * stages_per_rank)
@@ -210,7 +211,8 @@ def memory(
             recompute = (block_saved_elements(spec, plan, tp, "none") * tokens * prec.activations - per_block)
         # a pipeline accumulates every micro-batch's gradients into the stage's: they are live from the
         # first backward on, beside the micro-batches still in flight
-        early_grads = terms["grads"] if pp > 1 else 0
+        # (so do the micro-steps of gradient accumulation)
+        early_grads = terms["grads"] if pp > 1 or accumulating else 0
         backward = terms["activations"] + terms["head"] + head_temp + recompute + early_grads
         at_optimizer = terms["grads"] + update
         phase = "backward" if backward >= at_optimizer else "optimizer"

@@ -42,11 +42,19 @@ class Layout:
     checkpoint: str = "none"
     plan: str = "btp"
     stages_per_rank: int = 1
+    #: ``trainer.local_batch``: sequences per forward and backward on a rank (None: the rank's
+    #: whole share of the batch; fewer: gradient accumulation over ``batch / (dp * local_batch)``)
+    local_batch: int | None = None
 
     def label(self) -> str:
         pipe = f" pp{self.pp} {self.schedule} m{self.microbatches}" + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
         return (f"tp{self.tp}" + (f" {self.plan}" if self.tp > 1 else "") + (pipe if self.pp > 1 else "")
-                + f" dp{self.dp}" + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}")
+                + f" dp{self.dp}" + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}"
+                + (f" local{self.local_batch}" if self.local_batch is not None else ""))
+
+    def micro_steps(self, batch: int) -> int:
+        """Forward-and-backward passes per optimizer step for a global ``batch`` (1: no accumulation)."""
+        return 1 if self.local_batch is None else batch // self.dp // self.local_batch
 
     def overrides(self) -> list[str]:
         """boost-train's overrides for this layout."""
@@ -58,6 +66,8 @@ class Layout:
             if self.stages_per_rank > 1:
                 out.append(f"parallel.stages_per_rank={self.stages_per_rank}")
         out.append(f"++passes.options.checkpoint={self.checkpoint}")
+        if self.local_batch is not None:
+            out.append(f"trainer.local_batch={self.local_batch}")
         return out
 
 
@@ -163,19 +173,29 @@ def _pipelines(base: Layout, replica: int, n_layers: int) -> Iterator[Layout]:
 
 
 def price(job: Job, layout: Layout) -> Row:
-    """Time and memory of one layout."""
+    """Time and memory of one layout.
+
+    With gradient accumulation (``layout.local_batch``) memory is that of one micro-step's batch
+    (the gradients live through the backward, as under a pipeline), and the step is that many
+    micro-steps of that batch less, for all but one of them, what a step does once: the optimizer,
+    the exposed data-parallel reduction and ZeRO-1's gather. A pipeline's fill and drain come
+    with every micro-step (each runs the whole schedule)."""
     spec, prec = job.spec, PRECISIONS[job.precision]
     shape = spec.scale_shape()
-    wl = sm.Workload(seq=job.seq, batch=job.batch, dtype_bytes=prec.activations)
     lo = layout
+    a = lo.micro_steps(job.batch)
+    batch = job.batch // a  # the global batch of one micro-step
+    wl = sm.Workload(seq=job.seq, batch=batch, dtype_bytes=prec.activations)
     t = step_time(shape, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, microbatches=lo.microbatches, schedule=lo.schedule,
                   stages_per_rank=lo.stages_per_rank, checkpoint=lo.checkpoint, zero=lo.zero, hw=job.hardware, wl=wl,
                   param_bytes=prec.weights, dp_across_nodes=lo.tp * lo.dp > job.per_node,
                   p2p_across_nodes=job.devices > job.per_node, tensors=-(-len(spec.tensors()) // lo.pp))
     mem = memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
-                 schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
-                 stages_per_rank=lo.stages_per_rank)
-    return Row(lo, t.step_s, job.batch * job.seq / t.step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
+                 schedule=lo.schedule, checkpoint=lo.checkpoint, batch=batch, seq=job.seq, precision=job.precision,
+                 stages_per_rank=lo.stages_per_rank, accumulating=a > 1)
+    once_s = t.prediction.optimizer_s + t.prediction.dp_s + t.overlap_s + t.zero_s
+    step_s = a * t.step_s - (a - 1) * once_s
+    return Row(lo, step_s, job.batch * job.seq / step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
                mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
                cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware))
 
@@ -192,13 +212,41 @@ def command(job: Job, layout: Layout) -> str:
     return " ".join([launch, *args])
 
 
+def local_batches(job: Job, layout: Layout) -> list[int]:
+    """The ``trainer.local_batch`` values below a rank's share that boost-train accepts, largest first."""
+    replica = job.batch // layout.dp
+    m = layout.microbatches if layout.pp > 1 else 1
+    return [b for b in reversed(divisors(replica)[:-1]) if b % m == 0]
+
+
+def accumulate_to_fit(job: Job, layout: Layout, local_batch: int | None = None) -> Row:
+    """``layout`` priced; when it does not fit, with the least gradient accumulation that fits (the
+    largest local batch), else as it is. ``local_batch``: the user's, priced as given (a layout
+    whose share it does not divide gets the whole share, and a row that says it does not fit)."""
+    if local_batch is not None:
+        share = job.batch // layout.dp
+        accepted = local_batch in local_batches(job, layout) or (local_batch == share and share % layout.microbatches == 0)
+        return price(job, replace(layout, local_batch=local_batch)) if accepted else replace(price(job, layout), fits=False)
+    row = price(job, layout)
+    if row.fits:
+        return row
+    for b in local_batches(job, layout):
+        accumulated = price(job, replace(layout, local_batch=b))
+        if accumulated.fits:
+            return accumulated
+    return row
+
+
 def search(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
-           progress: Callable[[int, int], None] | None = None) -> list[Row]:
-    """Every layout of ``job`` priced, best first: those that fit by step time (then memory), then the rest."""
+           progress: Callable[[int, int], None] | None = None, local_batch: int | None = None) -> list[Row]:
+    """Every layout of ``job`` priced, best first: those that fit by step time (then memory), then the rest.
+
+    A layout whose memory binds is priced with gradient accumulation when that makes it fit
+    (:func:`accumulate_to_fit`); ``local_batch`` fixes it instead (the user's ``trainer.local_batch``)."""
     candidates = list(layouts(job, plans=plans, checkpoints=checkpoints))
     rows = []
     for i, lo in enumerate(candidates):
-        rows.append(price(job, lo))
+        rows.append(accumulate_to_fit(job, lo, local_batch))
         if progress is not None:
             progress(i + 1, len(candidates))
     rows.sort(key=lambda r: (not r.fits, r.step_s, r.memory_gib))

@@ -106,7 +106,7 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     boost = tc.passes.backend == "boost"
     asked = tc.passes.options.get("checkpoint") if boost else None
     checkpoints = (asked,) if asked in CHECKPOINTS else (CHECKPOINTS if boost else ("none",))
-    rows = search(job, checkpoints=checkpoints)
+    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch)
     if not boost:  # btp and megatron insert their collectives in the boost backend
         rows = [r for r in rows if r.layout.tp == 1]
     try:
@@ -123,4 +123,6 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     options: dict[str, Any] = dict(tc.passes.options)
     if boost:
         options["checkpoint"] = choice.checkpoint
-    return dataclasses.replace(tc, parallel=parallel, passes=dataclasses.replace(tc.passes, options=options)), rows
+    trainer = dataclasses.replace(tc.trainer, local_batch=choice.local_batch)  # gradient accumulation when memory binds
+    return dataclasses.replace(tc, parallel=parallel, trainer=trainer,
+                               passes=dataclasses.replace(tc.passes, options=options)), rows

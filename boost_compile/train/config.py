@@ -293,7 +293,15 @@ class TrainerConfig:
     steps: int = 200
     """Optimizer steps of the run."""
     batch: int = 16
-    """The global batch (split over the ``dp`` ranks)."""
+    """The global batch: sequences per optimizer step, split over the ``dp`` ranks. The one
+    number a sweep changes; ``local_batch`` only says how a rank gets through its share."""
+    local_batch: int | None = None
+    """Sequences one rank runs per forward and backward (a micro-step of gradient accumulation;
+    under ``pp`` the schedule splits it further into ``parallel.microbatches``). null: the rank's
+    whole share, ``batch / dp``, in one pass. Otherwise ``batch / (dp * local_batch)`` micro-steps
+    add up their gradients before one optimizer step (one gradient all-reduce over ``dp``): the
+    step's loss and gradients are those of the whole batch, with the activations of
+    ``local_batch`` sequences."""
     seq: int = 128
     """The sequence length."""
     precision: Annotated[str, Literal["fp32", "bf16-mixed", "bf16-true", "fp64"]] = "fp32"
@@ -330,6 +338,14 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
+
+    def micro_steps(self, dp: int) -> int:
+        """Forward-and-backward passes per optimizer step on each of ``dp`` ranks (1: no accumulation)."""
+        return 1 if self.local_batch is None else self.batch // (dp * self.local_batch)
+
+    def rank_batch(self, dp: int) -> int:
+        """Sequences in one forward and backward on a rank: ``local_batch``, else ``batch / dp``."""
+        return self.batch // dp if self.local_batch is None else self.local_batch
 
 
 @dataclass

@@ -61,35 +61,63 @@ def make_train_step(
     grad_clip: float,
     dev: Dist,
     autocast: Callable[[], Any],
+    micro_steps: int = 1,
 ) -> StepFn:
-    """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule."""
+    """``step(inputs, targets)``: forward and backward, clip, update the weights and the schedule.
+
+    With ``micro_steps > 1`` (gradient accumulation, ``trainer.local_batch``) the rank's batch
+    runs as that many equal slices, each loss scaled by ``1 / micro_steps`` before its backward,
+    so the summed gradients are those of the batch's mean loss; under DDP only the last slice's
+    backward all-reduces them (the others run in ``no_sync``). The slices have one shape: the
+    compiled step is reused.
+    """
     train_fn = parts.train_fn
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
     settings = parts.compile_settings
+    no_sync = getattr(train_fn, "no_sync", None)  # DDP's; a one-process module has none
 
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor, scale: float | None) -> torch.Tensor:
         with autocast(), compat.compile_settings(dynamo=settings) if settings else contextlib.nullcontext():
             loss = train_fn(inputs, targets)
-        loss.backward()
-        loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))  # bf16 up, fp64 kept
+        (loss if scale is None else loss * scale).backward()
+        return loss.detach().to(torch.promote_types(loss.dtype, torch.float32))  # bf16 up, fp64 kept
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        if micro_steps == 1:
+            loss = forward_backward(inputs, targets, None)
+            return tail(lambda: dev.mean_over_dp(loss))
+        losses = []
+        slices = list(zip(inputs.chunk(micro_steps), targets.chunk(micro_steps), strict=True))
+        for i, (x, y) in enumerate(slices):
+            last = i == len(slices) - 1
+            with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+                losses.append(forward_backward(x, y, 1.0 / micro_steps))
+        loss = torch.stack(losses).mean()
         return tail(lambda: dev.mean_over_dp(loss))
 
     return step
 
 
 @torch.no_grad()
-def evaluate(forward: nn.Module, data: PackedTokens, n_batches: int | None, dev: Dist, autocast: Any) -> float:
+def evaluate(forward: nn.Module, data: PackedTokens, n_batches: int | None, dev: Dist, autocast: Any,
+             rows: int | None = None) -> float:
     """Mean loss over this rank's first ``n_batches`` val batches, averaged over dp.
 
-    With pipeline parallelism ``forward`` gives the loss on the last stage and
-    zeros elsewhere; the sum over pp puts it on every rank.
+    ``rows``: the most sequences one forward takes (``trainer.local_batch`` under gradient
+    accumulation); a larger batch runs in slices whose losses are weighted by their rows, so
+    the value is the whole batch's mean. With pipeline parallelism ``forward`` gives the loss
+    on the last stage and zeros elsewhere; the sum over pp puts it on every rank.
     """
     count = len(data) if n_batches is None else min(n_batches, len(data))
     total = torch.zeros((), device=dev.device, dtype=torch.float64)
     for index in range(count):
-        inputs, targets = data.batch(0, index)
+        inputs, targets = (t.to(dev.device) for t in data.batch(0, index))
         with autocast():
-            total += forward(inputs.to(dev.device), targets.to(dev.device)).double()
+            if rows is None or len(inputs) <= rows:
+                total += forward(inputs, targets).double()
+            else:
+                parts = [forward(x, y).double() * len(x) for x, y in zip(inputs.split(rows), targets.split(rows), strict=True)]
+                total += torch.stack(parts).sum() / len(inputs)
     return float(dev.sum_over_pp(dev.mean_over_dp(total / max(1, count))))
 
 
@@ -140,7 +168,8 @@ class Trainer:
         train_data, val_data = make_loaders(tc, corpus, dev)
         if dev.pp > 1:
             return self._fit_pipeline(train_data, val_data)
-        example = train_data.batch(0, 0)[0].to(dev.device) if dev.tp > 1 else None
+        # parallelize_ traces one micro-step's batch: the shape every step then runs
+        example = train_data.batch(0, 0)[0][: tr.rank_batch(dev.dp)].to(dev.device) if dev.tp > 1 else None
         parts = build_model_parts(
             tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data),
             recorder=self.memory_report.recorder,
@@ -148,7 +177,8 @@ class Trainer:
         assert self.optimizer is not None
         self.memory_report.bind(parts.model, self.optimizer, parts.train_fn)
         self._describe(parts.model)
-        step = make_train_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
+        step = make_train_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast,
+                               tr.micro_steps(dev.dp))
         return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _fit_pipeline(self, train_data: PackedTokens, val_data: PackedTokens) -> dict[str, Any]:
@@ -166,7 +196,8 @@ class Trainer:
             assert self.optimizer is not None
             self.memory_report.bind(parts.model, self.optimizer)
             self._describe(parts.model, parts.total_params)
-            step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast)
+            step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast,
+                                      tc.trainer.micro_steps(dev.dp))
             return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
@@ -292,7 +323,9 @@ class Trainer:
         was_training = eval_fn.training
         eval_fn.eval()
         try:
-            value = evaluate(eval_fn, data, self.tc.trainer.eval_batches, self.dev, self.autocast)
+            tr = self.tc.trainer  # a pipeline's forward slices the batch itself
+            rows = tr.rank_batch(self.dev.dp) if tr.local_batch is not None and self.dev.pp == 1 else None
+            value = evaluate(eval_fn, data, tr.eval_batches, self.dev, self.autocast, rows)
         finally:
             eval_fn.train(was_training)
         metrics.write({"step": step, "val_loss": value})

@@ -230,7 +230,7 @@ def build_pipeline_parts(
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
     del whole, target
-    local_batch = tr.batch // dev.dp
+    local_batch = tr.rank_batch(dev.dp)  # one micro-step's rows (the whole share without accumulation)
     n_mb = par.n_microbatches
     micro_batch = local_batch // n_mb
     if dev.tp > 1:
@@ -247,7 +247,8 @@ def build_pipeline_parts(
         loss = vocab_parallel_loss(compiled[indices.index(num_stages - 1)])
     try:
         schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss,
-                                  example, batch_size=local_batch, device=dev.device)
+                                  example, batch_size=local_batch, device=dev.device,
+                                  scale_grads=tr.micro_steps(dev.dp) == 1)
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp_schedule={par.pp_schedule}: {exc}") from exc
     for i, stage in zip(indices, stages, strict=True):
@@ -287,17 +288,31 @@ def make_pipeline_step(
     grad_clip: float,
     dev: Dist,
     autocast: Callable[[], Any],
+    micro_steps: int = 1,
 ) -> StepFn:
-    """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.step.StepOutput`."""
+    """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.step.StepOutput`.
+
+    With ``micro_steps > 1`` (``trainer.local_batch``) the batch runs through the schedule as
+    that many slices; the schedule was built without ``scale_grads``, so the gradients add up
+    over every slice's micro-batches and are divided once, by their number, before the one
+    reduction over dp.
+    """
     from boost_compile.distributed.pipeline import pipeline_step
 
     params = list(parts.model.parameters())
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
+        slices = zip(inputs.chunk(micro_steps), targets.chunk(micro_steps), strict=True)
         with autocast():
-            loss = pipeline_step(parts.schedule, inputs, targets)
+            losses = [pipeline_step(parts.schedule, x, y) for x, y in slices]
+        if micro_steps > 1:
+            scale = micro_steps * parts.schedule._n_microbatches
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
         average_over_dp(params, dev)
+        loss = None if losses[0] is None else (losses[0] if micro_steps == 1 else torch.stack(losses).mean())
         value = loss.float() if loss is not None else torch.zeros((), device=dev.device)
         return tail(lambda: dev.sum_over_pp(dev.mean_over_dp(value)))
 

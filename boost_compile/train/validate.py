@@ -416,12 +416,11 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
                 f"stages_per_rank={par.stages_per_rank}) at least one block, {n_layers} blocks in all"
             )
     n_mb = par.n_microbatches
-    if tr.batch % par.dp == 0 and (tr.batch // par.dp) % n_mb:
-        local = tr.batch // par.dp
-        raise ConfigError(
-            f"the per-rank batch (trainer.batch={tr.batch} / parallel.dp={par.dp} = {local}) must be divisible "
-            f"by parallel.microbatches={n_mb}"
-        )
+    if tr.batch % par.dp == 0 and tr.rank_batch(par.dp) % n_mb:
+        local = tr.rank_batch(par.dp)
+        what = (f"trainer.batch={tr.batch} / parallel.dp={par.dp} = {local}" if tr.local_batch is None
+                else f"trainer.local_batch={local}")
+        raise ConfigError(f"the per-rank batch of a step ({what}) must be divisible by parallel.microbatches={n_mb}")
     if par.pp_schedule == "1f1b" and n_mb < par.pp:
         raise ConfigError(
             f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: "
@@ -467,6 +466,14 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
     _positive("parallel.tp", par.tp)
     if tr.batch % par.dp:
         raise ConfigError(f"trainer.batch={tr.batch} (the global batch) must be divisible by parallel.dp={par.dp}")
+    if tr.local_batch is not None:
+        _positive("trainer.local_batch", tr.local_batch)
+        if (tr.batch // par.dp) % tr.local_batch:
+            raise ConfigError(
+                f"trainer.local_batch={tr.local_batch} must divide each rank's share of the global batch "
+                f"(trainer.batch={tr.batch} / parallel.dp={par.dp} = {tr.batch // par.dp}): the micro-steps of "
+                "gradient accumulation are equal"
+            )
 
     # model, factorize, passes
     shape = model_shape(tc.model, tr.seq)

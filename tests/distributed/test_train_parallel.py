@@ -23,8 +23,9 @@ from boost_compile.train.validate import tp_available, validate
 ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
 DP2 = (*ONE, "parallel=dp2")
 #: DP2 with zero=1, and low-rank checkpointing: each block compiled on its own, DDP's bucket cuts
-#: off (train/parallel.py ddp_compile_settings), which must not change what it computes
-ZERO = (*DP2, "parallel.zero=1", "++passes.options.checkpoint=lowrank")
+#: off (train/parallel.py ddp_compile_settings), which must not change what it computes; and
+#: gradient accumulation: each rank's 2 sequences as 2 micro-steps of 1 (trainer.local_batch)
+ZERO = (*DP2, "parallel.zero=1", "++passes.options.checkpoint=lowrank", "trainer.local_batch=1")
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,10 @@ def test_dp2_matches_single_process(ddp, references):
 
 def test_dp2_whole_model_matches_single_process(references, tmp_path):
     """passes.unit=model with low-rank checkpointing: the whole model as one graph under DDP (no
-    bucket cuts, the all-reduces after the backward) computes the same steps."""
-    run_ = torchrun(2, [*DP2, "passes.unit=model", "++passes.options.checkpoint=lowrank", "trainer.save_every=0"],
-                    tmp_path / "whole")
+    bucket cuts, the all-reduces after the backward) computes the same steps, its 2 sequences a
+    rank as 2 micro-steps of gradient accumulation."""
+    run_ = torchrun(2, [*DP2, "passes.unit=model", "++passes.options.checkpoint=lowrank", "trainer.save_every=0",
+                        "trainer.local_batch=1"], tmp_path / "whole")
     assert run_["world"] == 2 and run_["steps"] == 6
     assert_train_parity(run_, references, "dp2 whole model")
     assert "one by one" not in (tmp_path / "whole" / "train.log").read_text()
@@ -103,9 +105,11 @@ def test_zero1_checkpoint_resumes_exactly(zero, references, tmp_path):
 
 
 def test_zero1_with_tensor_parallelism(ddp, references, tmp_path):
-    """TP2 x DP2 with zero=1: each TP rank's shards have their AdamW state split over its dp pair."""
-    run4 = torchrun(4, [*ONE, "parallel.dp=2", "parallel.tp=2", "parallel.zero=1", "checkpoint.enabled=false"],
-                    tmp_path / "tpdp")
+    """TP2 x DP2 with zero=1: each TP rank's shards have their AdamW state split over its dp pair;
+    each rank's 2 sequences as 2 micro-steps of gradient accumulation (the TP graph traced and
+    compiled for one sequence, reused)."""
+    run4 = torchrun(4, [*ONE, "parallel.dp=2", "parallel.tp=2", "parallel.zero=1", "checkpoint.enabled=false",
+                        "trainer.local_batch=1"], tmp_path / "tpdp")
     assert run4["world"] == 4
     assert_train_parity(run4, references, "tp2 x dp2, zero=1")
     # a TP2 rank holds half the block weights, and ZeRO-1 half of their state on each dp rank

@@ -53,6 +53,15 @@ def test_pp2_interleaved_1f1b_matches_single_process(references4l, tmp_path):
     assert_train_parity(pp, references4l, "pp2 interleaved_1f1b (4 stages)")
 
 
+def test_pp2_gradient_accumulation_matches_single_process(references4l, tmp_path):
+    """PP2 1F1B: each step's 4 sequences as 2 micro-steps of 2 (trainer.local_batch), each split
+    into 2 pipeline micro-batches; the gradients add up over both schedule runs."""
+    pp = torchrun(2, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.microbatches=2",
+                      "trainer.local_batch=2"], tmp_path / "ppacc")
+    assert pp["world"] == 2 and pp["steps"] == 4
+    assert_train_parity(pp, references4l, "pp2 1f1b, 2 micro-steps of 2")
+
+
 def test_pp2_dp2_zero1_matches_single_process(references4l, tmp_path):
     """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1), the
     blocks cut unevenly by hand (1 + 3)."""

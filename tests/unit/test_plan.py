@@ -202,6 +202,38 @@ def test_a_memory_cap_moves_the_choice_to_a_layout_that_fits():
     assert chosen.step_s >= fastest.step_s
 
 
+def test_accumulation_prices_one_micro_steps_memory_and_the_optimizer_once():
+    j = job(devices=1, batch=8)
+    whole = price(j, Layout(1, 1, 1))
+    quarter = price(j, Layout(1, 1, 1, local_batch=2))  # 4 micro-steps of 2
+    assert quarter.terms_gib["activations"] == pytest.approx(whole.terms_gib["activations"] / 4, rel=1e-6)
+    assert quarter.terms_gib["params"] == whole.terms_gib["params"]
+    assert quarter.memory_gib < whole.memory_gib
+    # the step: 4 steps of a batch of 2 less 3 optimizer updates
+    small = price(replace(j, batch=2), Layout(1, 1, 1))
+    assert 3 * small.step_s < quarter.step_s < 4 * small.step_s and quarter.command.endswith("trainer.local_batch=2")
+
+
+def test_a_memory_cap_is_met_by_gradient_accumulation_when_nothing_else_fits():
+    """Below the memory of every layout that runs the whole batch at once (one device: the three
+    checkpoint modes), the planner accumulates: the least accumulation (the largest local batch)
+    that fits, one boost-train accepts."""
+    j = job(devices=1, batch=16, seq=1024)
+    plain = [price(j, lo) for lo in layouts(j)]
+    cap = min(r.memory_gib for r in plain) * 0.9
+    capped = replace(j, memory_bytes=cap * GIB)
+    chosen = best(search(capped), capped)
+    lo = chosen.layout
+    assert lo.local_batch is not None and chosen.memory_gib <= cap
+    share = 16
+    assert share % lo.local_batch == 0 and lo.local_batch < share
+    larger = [b for b in range(lo.local_batch + 1, share) if share % b == 0]
+    assert all(not price(capped, replace(lo, local_batch=b)).fits for b in larger)
+    tc = validate(auto_config("model=cola-60m", "trainer.batch=16", "trainer.seq=1024", "parallel.layout=manual",
+                              *(o for o in lo.overrides() if not o.startswith("++"))), world_size=1)[0]
+    assert tc.trainer.micro_steps(1) == share // lo.local_batch
+
+
 def test_nothing_fits_is_refused_with_what_would():
     j = replace(job(), memory_bytes=0.001 * GIB)
     with pytest.raises(PlanError, match=r"no layout of cola-60m fits in 0.00 GiB per device .* needs [0-9.]+ GiB"):
@@ -282,8 +314,14 @@ def test_auto_under_a_memory_cap_and_with_a_checkpoint_mode_given():
     free, rows = choose_layout(auto_config(*base), world=1, device_type="cpu")
     assert free.passes.options["checkpoint"] == "none"
     none_gib = next(r.memory_gib for r in rows if r.layout.checkpoint == "none")
-    capped, _ = choose_layout(auto_config(*base, f"parallel.memory_gib={none_gib * 0.8}"), world=1, device_type="cpu")
-    assert capped.passes.options["checkpoint"] in ("lowrank", "full")
+    cap = f"parallel.memory_gib={none_gib * 0.8}"
+    # with the local batch fixed at the whole batch (no accumulation), a checkpoint mode makes it fit
+    capped, _ = choose_layout(auto_config(*base, cap, "trainer.local_batch=8"), world=1, device_type="cpu")
+    assert capped.passes.options["checkpoint"] in ("lowrank", "full") and capped.trainer.local_batch == 8
+    # free to accumulate, the planner takes whichever it predicts faster; either fits
+    capped, rows = choose_layout(auto_config(*base, cap), world=1, device_type="cpu")
+    assert capped.passes.options["checkpoint"] in ("lowrank", "full") or capped.trainer.local_batch < 8
+    assert next(r for r in rows if r.fits).memory_gib <= none_gib * 0.8
     given, rows = choose_layout(auto_config(*base, "++passes.options.checkpoint=full"), world=1, device_type="cpu")
     assert given.passes.options["checkpoint"] == "full" and {r.layout.checkpoint for r in rows} == {"full"}
 
