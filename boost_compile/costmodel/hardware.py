@@ -26,6 +26,10 @@ vanilla ~60%, BTP 71-75% |
 The H200 values are not calibrated against any measurement: they carry the A100
 choices over to the H200 peaks.
 
+``peak_flops`` is the peak of one number format (bf16 in the GPU files, fp32 in ``cpu``):
+the file's optional ``"peak_dtype"``, else the one format its peak's note names. A
+run's MFU divides by it only in that format (:func:`peak_flops_for`).
+
 The ``cpu`` file (``boost-bench calibrate``) holds constants measured on the
 project's machine by microbenchmarks (GEMMs and attention at the 60m shapes,
 elementwise bandwidth, gloo all-reduce, send/recv and queued broadcasts); with it, ``boost-bench
@@ -38,6 +42,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 DEFAULT_HARDWARE = "a100-80gb-nvlink"
@@ -84,6 +89,10 @@ class Hardware:
     cold_compile_per_layer_s: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)
+    #: the number format peak_flops is the peak of (one of :data:`PEAK_DTYPES`; "": not known,
+    #: then no MFU is reported against it): the file's ``peak_dtype``, else the one format its
+    #: peak_flops note (or, failing that, its description) names
+    peak_dtype: str = ""
 
 
 HARDWARE_FIELDS = (
@@ -105,6 +114,9 @@ OPTIONAL_HARDWARE_FIELDS = ("p2p_latency", "memory_gib", "internode_bus_bandwidt
                             "dp_overlap", "cold_compile_s", "cold_compile_per_layer_s")
 #: 0 allowed: a GEMM rate that does not fall with the arithmetic intensity (efficiency eff_max throughout)
 MAY_BE_ZERO = ("gemm_half_intensity",)
+#: number formats a peak FLOP/s is quoted for, as the files write them (any case)
+PEAK_DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+_DTYPE_WORD = re.compile(r"\b(" + "|".join(PEAK_DTYPES) + r")\b", re.IGNORECASE)
 
 
 def _hardware_value(data: dict, key: str) -> tuple[float, str]:
@@ -138,13 +150,35 @@ def hardware_from_dict(data: dict) -> Hardware:
         if values[key] > 1:
             raise ValueError(f"{key} is a fraction of peak and must not exceed 1")
     measured = data.get("measured", {})
+    description = str(data.get("description", ""))
     return Hardware(
         name=str(data.get("name", "custom")),
-        description=str(data.get("description", "")),
+        description=description,
         notes=notes,
         measured={str(k): str(v) for k, v in measured.items()} if isinstance(measured, dict) else {},
+        peak_dtype=_peak_dtype(data.get("peak_dtype"), notes["peak_flops"], description),
         **values,
     )
+
+
+def _peak_dtype(given: object, note: str, description: str) -> str:
+    """The format of peak_flops: ``given`` (the file's ``peak_dtype``), else the only one of
+    :data:`PEAK_DTYPES` that the peak's note names, else the only one the description names, else ""."""
+    if given is not None:
+        if str(given).lower() not in PEAK_DTYPES:
+            raise ValueError(f"hardware field 'peak_dtype' is {given!r}; give one of {', '.join(PEAK_DTYPES)}")
+        return str(given).lower()
+    for text in (note, description):
+        named = {word.lower() for word in _DTYPE_WORD.findall(text)}
+        if len(named) == 1:
+            return named.pop()
+    return ""
+
+
+def peak_flops_for(hw: Hardware, dtype: str) -> float | None:
+    """``hw``'s peak FLOP/s of one device computing in ``dtype`` (``fp32``, ``bf16``, ...); None when
+    the file gives the peak of another format or does not say which (never a converted guess)."""
+    return hw.peak_flops if hw.peak_dtype and hw.peak_dtype == dtype.lower() else None
 
 
 def load_hardware(name_or_path: str = DEFAULT_HARDWARE) -> Hardware:

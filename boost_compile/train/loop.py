@@ -37,8 +37,10 @@ from boost_compile.train.metrics import (
     MetricsWriter,
     PeakMemory,
     Progress,
+    Utilization,
     count_restarts,
     plot_losses,
+    utilization,
     wandb_run,
     write_summary,
 )
@@ -150,6 +152,7 @@ class Trainer:
         self.ckpt: Checkpointer | None = None
         self.start = 0  # the step a resumed checkpoint was saved after
         self.state: dict[str, int] | None = None  # bytes of params, grads, optimizer state (first step)
+        self.utilization: Utilization | None = None  # model FLOPs per token and the peak (MFU), set by _describe
         # trainer.memory_report: memory_rank{R}.json, the last step profiled (inert when off)
         self.memory_report = MemoryReport(tc.trainer.memory_report, run_dir, dev.rank, tc.trainer.steps, dev.device)
 
@@ -233,6 +236,7 @@ class Trainer:
             tr.precision, torch.get_num_threads(),
         )
         log.info("run folder: %s", self.run_dir)
+        self.utilization = utilization(tc, model, self.shape, dev)
 
     def train(self, step_fn: StepFn, train_data: PackedTokens, val_data: PackedTokens, eval_fn: nn.Module) -> dict[str, Any]:
         """Steps ``self.start + 1 .. trainer.steps`` of ``step_fn``, with evaluation and checkpoints."""
@@ -285,6 +289,9 @@ class Trainer:
                     rate = tokens_per_step / max(step_s, 1e-9)
                     row = {"step": step, "loss": out.loss, "lr": out.lr, "tokens": step * tokens_per_step,
                            "tokens_per_s": rate, "step_s": step_s, "time_s": now - begin}
+                    mfu = self.utilization.mfu(rate) if self.utilization is not None else None
+                    if mfu is not None:  # omitted without a known peak (logged once)
+                        row["mfu"] = mfu
                     if out.grad_norm is not None:
                         row["grad_norm"] = out.grad_norm
                     metrics.write(row)
@@ -379,6 +386,8 @@ class Trainer:
             "val_loss": val_loss,
             "losses": [loss for _, loss in history],
             "tokens_per_s": tokens_per_s,
+            "mfu": self.utilization.mfu(tokens_per_s) if self.utilization and tokens_per_s else None,
+            "flops_per_token": self.utilization.flops_per_token if self.utilization else None,
             "peak_mem_mib": float(peak.item()),
             "state_mib": state_mib,
             "first_step_s": first_step_s,
@@ -406,8 +415,9 @@ class Trainer:
             if history:
                 val = f" (val {val_loss:.2f})" if val_loss is not None else ""
                 log.info(
-                    "done: steps=%d loss %.2f -> %.2f%s tokens/s=%s peak_mem=%.0fMiB first_step=%.1fs total=%.1fs run=%s",
-                    result["steps"], history[0][1], history[-1][1], val, f"{tokens_per_s:,.0f}", result["peak_mem_mib"],
+                    "done: steps=%d loss %.2f -> %.2f%s tokens/s=%s%s peak_mem=%.0fMiB first_step=%.1fs total=%.1fs run=%s",
+                    result["steps"], history[0][1], history[-1][1], val, f"{tokens_per_s:,.0f}",
+                    f" mfu={result['mfu']:.2%}" if result["mfu"] is not None else "", result["peak_mem_mib"],
                     first_step_s, total_s, self.run_dir,
                 )
             if not history:
