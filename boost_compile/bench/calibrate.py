@@ -408,6 +408,7 @@ def hardware_json(raw: dict[str, Any], todo: dict[str, Any], stamp: dict[str, st
     messages = f"{todo['messages'][0] // KIB} KiB - {todo['messages'][-1] // KIB:,} KiB"
     per_core = f"{threads} thread(s) per process, both of {world} processes at once"
     return {
+        "peak_dtype": "fp32",  # the GEMMs measured: MFU is reported against fp32 runs only
         "name": "cpu",
         "description": f"this machine's CPU, fp32, {per_core}; gloo between the processes",
         "measured": {**stamp, "threads": str(threads), "processes": str(world), "quick": str(o["quick"]).lower()},
