@@ -2,12 +2,17 @@
 
 A checkpoint is a folder ``step_000123`` holding one DCP save of the model,
 optimizer, schedule, data position and every rank's RNG state. It is complete
-once rank 0 has written its :data:`COMPLETE_FILE` (the size of every file), which
-it does last, after every rank's shard files and DCP's ``.metadata`` are on
-disk: a save cut short (a SIGKILL, a lost node) leaves no record and is never
-resumed from. :func:`resume_candidates` finds what ``trainer.resume`` loads
-(``true``: the newest complete checkpoint, or an error; ``auto``: the complete
-ones newest first, a damaged one skipped, none: a fresh start);
+once rank 0 has written its :data:`COMPLETE_FILE` (the size and :data:`CHECKSUM`
+digest of every file), which it does last, after every rank's shard files and
+DCP's ``.metadata`` are on disk: a save cut short (a SIGKILL, a lost node) leaves
+no record and is never resumed from. Each rank digests the shard files it wrote
+(:class:`ChecksumWriter`, in the thread that wrote them) and DCP's gather of the
+write results brings the digests to rank 0. :func:`resume_candidates` finds what
+``trainer.resume`` loads (``true``: the newest complete checkpoint, or an error;
+``auto``: the complete ones newest first, a damaged one skipped, none: a fresh
+start); :meth:`Checkpointer.resume` checks each one's files against their
+digests before loading it (a flipped bit keeps a file's size), so a damaged one
+is skipped under ``auto`` and named otherwise;
 :class:`StopOnSignal` turns SIGTERM/SIGINT into a stop after the current step
 (and a checkpoint, with ``checkpoint.on_signal``). With ``checkpoint.async_save``
 the files are written by a background thread while training goes on.
@@ -16,6 +21,7 @@ the files are written by a background thread while training goes on.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +50,12 @@ log = logging.getLogger("boost_compile.train")
 
 #: written by rank 0 into a checkpoint folder once the whole save is on disk
 COMPLETE_FILE = "complete.json"
+#: the hashlib digest of each file recorded in :data:`COMPLETE_FILE` (its name is recorded
+#: too, so a later version may change it): sha256 hashes about twice as fast as blake2b on
+#: CPUs with SHA extensions (benchmarks/bench_checkpoint_checksum.py, benchmarks/RESULTS.md)
+CHECKSUM = "sha256"
+#: bytes read at a time when digesting a file (a file is never read into memory whole)
+CHECKSUM_CHUNK = 1 << 20
 # DCP's note that a save without a process group is a one-process save: so it is (no_dist=True)
 _NO_DIST_WARNING = ".*torch.distributed is disabled.*"
 
@@ -69,12 +81,14 @@ def checkpoint_step(path: Path) -> int | None:
     return step if step is not None and (path / COMPLETE_FILE).is_file() else None
 
 
-def checkpoint_problem(path: Path, read_metadata: bool = True) -> str | None:
+def checkpoint_problem(path: Path, read_metadata: bool = True, verify_checksums: bool = False) -> str | None:
     """Why ``path`` is not a checkpoint to resume from, in a few words; None when it is one.
 
     Complete (its record), every file of the record there with its recorded
-    size (a truncated or missing shard), and with ``read_metadata`` DCP's
-    ``.metadata`` readable (damaged bytes of the same size).
+    size (a truncated or missing shard), with ``read_metadata`` DCP's
+    ``.metadata`` readable (damaged bytes of the same size), and with
+    ``verify_checksums`` every file's digest the recorded one (:func:`checksum_problem`:
+    it reads every byte, so resuming does it only for the checkpoint it loads).
     """
     if not path.is_dir():
         return "not a folder"
@@ -101,6 +115,56 @@ def checkpoint_problem(path: Path, read_metadata: bool = True) -> str | None:
             dcp.FileSystemReader(str(path)).read_metadata()
         except Exception as exc:  # noqa: BLE001 - any unpickling error means damaged metadata
             return f"its .metadata cannot be read ({type(exc).__name__}: {exc})"
+    if verify_checksums:
+        return checksum_problem(path)
+    return None
+
+
+def file_checksum(path: Path, algorithm: str = CHECKSUM, chunk: int = CHECKSUM_CHUNK) -> str:
+    """The hex ``algorithm`` digest of the bytes of ``path``, read ``chunk`` bytes at a time into
+    one buffer (a shard of many GB never sits in memory)."""
+    digest = hashlib.new(algorithm)
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def recorded_checksums(path: Path) -> tuple[str | None, dict[str, str]]:
+    """The digest name and per-file digests in the record of checkpoint ``path``; ``(None, {})`` for
+    a record of sizes only (saved before checksums were), or none."""
+    try:
+        record = json.loads((path / COMPLETE_FILE).read_text())
+    except (OSError, ValueError):
+        return None, {}
+    sums = record.get("checksums") if isinstance(record, dict) else None
+    if not isinstance(sums, dict) or not sums:
+        return None, {}
+    return str(record.get("checksum_algorithm", CHECKSUM)), {str(k): str(v) for k, v in sums.items()}
+
+
+def checksum_problem(path: Path, names: list[str] | None = None) -> str | None:
+    """The first of ``names`` (default: every file of the record) in checkpoint ``path`` whose
+    digest is not the recorded one, in a few words naming it; None when they all match, or
+    when the record has no checksums (or ones of a digest this Python's hashlib lacks)."""
+    algorithm, sums = recorded_checksums(path)
+    if algorithm is None or algorithm not in hashlib.algorithms_available:
+        return None
+    if names is None:
+        record = json.loads((path / COMPLETE_FILE).read_text())
+        names = sorted(set(record.get("files", {})) | set(sums))
+    for name in names:
+        if name not in sums:
+            return f"{name}: no checksum recorded for it in {COMPLETE_FILE} (the record was edited)"
+        try:
+            digest = file_checksum(path / name, algorithm)
+        except OSError as exc:
+            return f"{name} cannot be read ({type(exc).__name__}: {exc})"
+        if digest != sums[name]:
+            return (f"{name}: checksum mismatch (its {algorithm} is {digest[:16]}..., it was {sums[name][:16]}... "
+                    "when saved): its bytes changed after the save")
     return None
 
 
@@ -119,12 +183,22 @@ def find_checkpoint(path: Path) -> Path | None:
     return found[0] if found else None
 
 
-def write_record(path: Path, step: int) -> None:
-    """Mark ``path`` complete: the size of every file in it, written to a temporary name and
-    renamed (a reader sees the whole record or none)."""
+def write_record(path: Path, step: int, checksums: dict[str, str] | None = None,
+                 algorithm: str | None = CHECKSUM) -> None:
+    """Mark ``path`` complete: the size and ``algorithm`` digest of every file in it, written to a
+    temporary name and renamed (a reader sees the whole record or none).
+
+    ``checksums``: the ``algorithm`` digests already taken (by the rank that wrote each shard); the other files
+    (``.metadata``) are digested here. ``algorithm=None``: sizes only, as saves before checksums.
+    """
     files = {f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file() and f.name != COMPLETE_FILE}
+    record: dict[str, Any] = {"step": step, "files": files}
+    if algorithm is not None:
+        known = checksums or {}
+        record["checksum_algorithm"] = algorithm
+        record["checksums"] = {name: known.get(name) or file_checksum(path / name, algorithm) for name in files}
     tmp = path / f".{COMPLETE_FILE}.tmp"
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1) + "\n")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, path / COMPLETE_FILE)
 
 
@@ -155,7 +229,8 @@ class Checkpointer:
         self.data = data
         self.before_metadata = before_metadata
         self.last_saved: int | None = None
-        self.pending: tuple[int, Path, Any] | None = None  # an asynchronous save: step, folder, future
+        # an asynchronous save: step, folder, future, its writer (the shards' digests)
+        self.pending: tuple[int, Path, Any, ChecksumWriter] | None = None
         self._group: Any = None  # the process group of asynchronous saves (not the training one)
         if cfg.async_save and dev.world > 1:
             import torch.distributed as dist
@@ -202,7 +277,8 @@ class Checkpointer:
         self.wait()
         path = self.dir / f"step_{step:06d}"
         self._clear(path)
-        writer = _Writer(str(path), lambda: self.before_metadata(step)) if self.before_metadata else None
+        hook = self.before_metadata
+        writer = ChecksumWriter(str(path), (lambda: hook(step)) if hook else None)
         target = {"checkpoint_id": str(path), "storage_writer": writer}
         with _quiet_dcp():
             if self.cfg.async_save:
@@ -210,10 +286,10 @@ class Checkpointer:
                     warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
                 future = dcp.async_save(self._state(step), **target, process_group=self._group,
                                         no_dist=self.dev.world == 1)
-                self.pending = (step, path, future)
+                self.pending = (step, path, future, writer)
                 return path
             dcp.save(self._state(step), **target, no_dist=self.dev.world == 1)
-        self._complete(step, path)
+        self._complete(step, path, writer.checksums)
         return path
 
     def poll(self) -> None:
@@ -225,10 +301,10 @@ class Checkpointer:
         """Wait for the asynchronous save in flight, if any, and mark it complete."""
         if self.pending is None:
             return
-        step, path, future = self.pending
+        step, path, future, writer = self.pending
         self.pending = None
         future.result()  # raises what the background save raised
-        self._complete(step, path)
+        self._complete(step, path, writer.checksums)
 
     def _clear(self, path: Path) -> None:
         """Remove what an interrupted save of the same step left (rank 0), before anyone writes."""
@@ -237,11 +313,12 @@ class Checkpointer:
             shutil.rmtree(path)
         self.dev.barrier()
 
-    def _complete(self, step: int, path: Path) -> None:
-        # every rank's files are on disk: DCP's coordinator (rank 0) wrote .metadata after all of them
+    def _complete(self, step: int, path: Path, checksums: dict[str, str]) -> None:
+        # every rank's files are on disk: DCP's coordinator (rank 0) wrote .metadata after all of them,
+        # and its writer holds every rank's digests of its shards (rank 0 digests .metadata here)
         self.last_saved = step
         if self.dev.is_main:
-            write_record(path, step)
+            write_record(path, step, checksums)
             self._prune()
 
     def _prune(self) -> None:
@@ -297,14 +374,48 @@ class Checkpointer:
                 torch.cuda.set_rng_state(rng["cuda"], self.dev.device)
         return int(meta["step"])
 
-    def resume(self, candidates: list[Path], auto: bool) -> tuple[int, Path | None]:
-        """Load the first of ``candidates`` that loads on every rank: (its step, its folder);
-        (0, None) when there are none.
+    def _checksum_problem(self, path: Path) -> str | None:
+        """The first file of checkpoint ``path`` whose digest is not the recorded one (the same
+        words on every rank), None when all match. The files are shared out over the ranks,
+        each reading ``1 / world`` of the bytes. A record of sizes only (an older save) is logged."""
+        algorithm, sums = recorded_checksums(path)
+        if not sums:
+            if self.dev.is_main:
+                log.info("checkpoint %s: no checksums recorded (an older save): only its files' sizes are checked", path)
+            return None
+        if algorithm not in hashlib.algorithms_available:
+            if self.dev.is_main:
+                log.warning("checkpoint %s: its checksums are %s, which this Python's hashlib lacks: only its files' "
+                            "sizes are checked", path, algorithm)
+            return None
+        mine = sorted(sums)[self.dev.rank :: self.dev.world]
+        problem = checksum_problem(path, mine)
+        if self.dev.world == 1:
+            return problem
+        import torch.distributed as dist
 
-        ``auto`` (``trainer.resume=auto``): one that fails is reported and the next
-        (older) one tried. Otherwise, or when none loads, a ConfigError names the folder.
+        found: list[str | None] = [None] * self.dev.world
+        dist.all_gather_object(found, problem)
+        return next((p for p in found if p is not None), None)
+
+    def resume(self, candidates: list[Path], auto: bool) -> tuple[int, Path | None]:
+        """Load the first of ``candidates`` whose files match their recorded checksums and that
+        loads on every rank: (its step, its folder); (0, None) when there are none.
+
+        ``auto`` (``trainer.resume=auto``): one that is damaged or fails is reported and the next
+        (older) one tried. Otherwise, or when none loads, a ConfigError names the folder (and
+        the damaged file).
         """
         for path in candidates:
+            damaged = self._checksum_problem(path)
+            if damaged is not None:
+                if not auto:
+                    raise ConfigError(
+                        f"checkpoint {path}: {damaged}; resume from an earlier checkpoint "
+                        "(checkpoint.resume_from=<its step_* folder>) or with trainer.resume=auto"
+                    )
+                log.warning("trainer.resume=auto: skipping %s: %s", path, damaged)
+                continue
             error = None
             try:
                 step = self.load(path)
@@ -326,16 +437,41 @@ class Checkpointer:
         return 0, None
 
 
-class _Writer(FileSystemWriter):
-    """DCP's FileSystemWriter with a call between the shard files and ``.metadata``
-    (its ``finish`` runs on the coordinator, rank 0, once every rank's files are written)."""
+class _Written(list):
+    """One rank's DCP write results (a list, as DCP expects) with the digests of the files it
+    wrote: DCP gathers every rank's results on the coordinator, and so the digests."""
 
-    def __init__(self, path: str, before_metadata: Callable[[], None]) -> None:
+    def __init__(self, results: list[Any], checksums: dict[str, str]) -> None:
+        super().__init__(results)
+        self.checksums = checksums
+
+
+class ChecksumWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that digests each shard file right after writing it, on the rank
+    (and in the thread: an asynchronous save's background one) that wrote it, and gathers the
+    digests on rank 0 with DCP's own gather of the write results: ``checksums`` on rank 0 once the
+    save is done. ``before_metadata``: a call between the shard files and ``.metadata`` (``finish``
+    runs on the coordinator, rank 0, once every rank's files are written)."""
+
+    def __init__(self, path: str, before_metadata: Callable[[], None] | None = None,
+                 algorithm: str = CHECKSUM) -> None:
         super().__init__(path)
         self._before_metadata = before_metadata
+        self.algorithm = algorithm
+        self.checksums: dict[str, str] = {}
+
+    def write_data(self, plan: Any, planner: Any) -> torch.futures.Future:
+        results = super().write_data(plan, planner).wait()
+        names = sorted({r.storage_data.relative_path for r in results})
+        written = _Written(results, {n: file_checksum(Path(self.path) / n, self.algorithm) for n in names})
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(written)
+        return future
 
     def finish(self, metadata: Any, results: Any) -> None:
-        self._before_metadata()
+        self.checksums = {n: d for rank in results for n, d in getattr(rank, "checksums", {}).items()}
+        if self._before_metadata is not None:
+            self._before_metadata()
         super().finish(metadata, results)
 
 
