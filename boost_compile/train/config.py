@@ -252,16 +252,24 @@ class DataConfig:
     At most ``max_bytes`` are read; the last ``val_fraction`` is held out.
     """
 
-    source: Annotated[str, Literal["stdlib", "text", "hf"]] = "stdlib"
+    source: Annotated[str, Literal["stdlib", "text", "hf", "tokens"]] = "stdlib"
     """``stdlib`` (the installed Python standard library's source, no download), ``text``
     (local files: ``paths``), ``hf`` (``datasets.load_dataset(dataset, subset, split=split)``
-    offline, column ``text_field``)."""
+    offline, column ``text_field``), ``tokens`` (token ids already on disk, memory-mapped:
+    ``paths``; see :mod:`boost_compile.train.data.tokens_file`)."""
     max_bytes: int = 4_000_000
-    """How many bytes of text are read at most."""
+    """How many bytes of text are read at most (``tokens`` reads its files whole)."""
     val_fraction: float = 0.01
-    """The held-out tail of the stream, in (0, 1)."""
+    """The held-out tail of the stream, in (0, 1) (``tokens``: of a single file; a folder's
+    ``val.bin`` is the validation split)."""
     paths: list[str] = field(default_factory=list)
-    """``text``: files or folders; folders are read recursively for ``pattern``."""
+    """``text``: files or folders; folders are read recursively for ``pattern``. ``tokens``: a
+    folder holding ``train.bin`` and ``val.bin`` (nanoGPT's layout; or ``train.npy`` and
+    ``val.npy``), one ``.bin`` / ``.npy`` file (its last ``val_fraction`` held out), or two files
+    (train, then val)."""
+    token_dtype: Annotated[str, Literal["uint16", "int32"]] = "uint16"
+    """``tokens``: the type of the ids in a ``.bin`` file (flat, little-endian; nanoGPT writes
+    uint16). A ``.npy`` file names its own type in its header."""
     pattern: str = "*.txt"
     """``text``: the file names read in a folder."""
     dataset: str | None = None
@@ -276,7 +284,8 @@ class DataConfig:
     """``bytes`` (vocab 256), a local ``tokenizer.json`` or a folder holding one, or
     ``bpe:<vocab>`` (a byte-level BPE trained on the training split, saved as the run
     folder's ``tokenizer.json``); see :mod:`boost_compile.train.tokenizer`. The model's
-    vocabulary follows it."""
+    vocabulary follows it. ``tokens``: the tokenizer that made the ids (bytes or a
+    ``tokenizer.json``), so the vocabulary and the decoding after training agree with them."""
     cache_dir: str | None = None
     """The token cache (null: ``$BOOST_COMPILE_CACHE``, else ``~/.cache/boost_compile/tokens``);
     every tokenizer but bytes goes through it."""

@@ -555,6 +555,10 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     if data.source == "text":
         text_files(data)
+    if data.source == "tokens":
+        from boost_compile.train.data.tokens_file import check_token_files  # imports data, which imports us
+
+        check_token_files(data, tr.seq, tr.batch, par.dp)
     if data.source == "hf":
         if importlib.util.find_spec("datasets") is None:
             raise ConfigError(

@@ -48,6 +48,7 @@ def test_defaults_compose_to_the_schema():
 NEEDS_MORE = {
     ("model", "hf"): "hf_path",
     ("data", "text"): "data.paths",
+    ("data", "tokens"): "data.paths",
     ("data", "hf"): "datasets" if not __import__("importlib").util.find_spec("datasets") else "data.dataset",
     ("parallel", "tp4"): "kv-heads" if tp_available() else "not available",
 }

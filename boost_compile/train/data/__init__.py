@@ -3,6 +3,8 @@
 :mod:`.sources` reads the corpus (the standard library's source by default, no
 download), :mod:`.cache` tokenizes it through the token cache (:func:`load_corpus`)
 and :mod:`.packing` cuts it into each rank's train and val batches (:func:`make_loaders`).
+A corpus already tokenized (nanoGPT's ``train.bin``/``val.bin``, ``.npy`` arrays) is
+memory-mapped as it is by :mod:`.tokens_file` (``data=tokens``).
 """
 
 from boost_compile.train.data.cache import (
@@ -14,6 +16,7 @@ from boost_compile.train.data.cache import (
 )
 from boost_compile.train.data.packing import Corpus, PackedTokens, make_loaders, split, val_cut
 from boost_compile.train.data.sources import source_stream, stdlib_files, stdlib_text, stdlib_tokens
+from boost_compile.train.data.tokens_file import TokenFiles, load_token_corpus, token_files
 
 # ByteTokenizer lives in train.tokenizer now; still importable from here
 from boost_compile.train.tokenizer import ByteTokenizer
@@ -23,8 +26,10 @@ __all__ = [
     "ByteTokenizer",
     "Corpus",
     "PackedTokens",
+    "TokenFiles",
     "cache_root",
     "load_corpus",
+    "load_token_corpus",
     "load_tokens",
     "make_loaders",
     "source_stream",
@@ -32,6 +37,7 @@ __all__ = [
     "stdlib_files",
     "stdlib_text",
     "stdlib_tokens",
+    "token_files",
     "token_dtype",
     "val_cut",
 ]

@@ -27,6 +27,7 @@ from boost_compile.config import ConfigError
 from boost_compile.train.config import DataConfig
 from boost_compile.train.data.packing import Corpus, val_cut
 from boost_compile.train.data.sources import source_stream, source_where
+from boost_compile.train.data.tokens_file import load_token_corpus
 from boost_compile.train.tokenizer import (
     BYTES,
     TOKENIZER_FILE,
@@ -75,7 +76,8 @@ def load_corpus(
     *,
     use_cache: bool | None = None,
 ) -> Corpus:
-    """The configured corpus, tokenized with ``data.tokenizer``.
+    """The configured corpus, tokenized with ``data.tokenizer`` (``data=tokens``: the ids on
+    disk, memory-mapped, :func:`~boost_compile.train.data.tokens_file.load_token_corpus`).
 
     ``use_cache`` (default: every tokenizer but bytes) maps the token cache under
     :func:`cache_root`, writing it first when it is missing; ``False`` tokenizes
@@ -85,6 +87,8 @@ def load_corpus(
     then every rank maps the same file (a rank that cannot see it, on another
     node's disk, writes its own copy).
     """
+    if data.source == "tokens":  # ids already on disk: mapped as they are, no cache
+        return load_token_corpus(data, run_dir, dev)
     try:
         kind, _ = parse_spec(data.tokenizer)
     except ValueError as exc:
@@ -146,7 +150,8 @@ def load_corpus(
 
 
 def load_tokens(data: DataConfig, run_dir: Path | None = None, dev: Dist | None = None) -> Tensor:
-    """The configured text as one 1-D token stream (uint8 for bytes); see :func:`load_corpus`."""
+    """The configured text as one 1-D token stream (uint8 for bytes); see :func:`load_corpus`
+    (``data=tokens`` with a validation file of its own: the training stream)."""
     return load_corpus(data, run_dir, dev).tokens
 
 

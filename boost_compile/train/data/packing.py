@@ -37,10 +37,12 @@ def val_cut(n: int, val_fraction: float) -> int:
 
 @dataclass
 class Corpus:
-    """A tokenized corpus: one 1-D token stream whose validation split starts at ``val_start``.
+    """A tokenized corpus: one 1-D token stream whose validation split starts at ``val_start``,
+    or, with ``held_out``, a training stream and a validation stream of their own.
 
     ``tokens`` is memory-mapped from the token cache (``cache_path``; ``reused``
-    says whether this load found it there) or, uncached, in memory.
+    says whether this load found it there), from a pre-tokenized file
+    (:mod:`.tokens_file`: ``val.bin`` is ``held_out``) or, uncached, in memory.
     """
 
     tokens: Tensor
@@ -48,6 +50,7 @@ class Corpus:
     tokenizer: Tokenizer
     cache_path: Path | None = None
     reused: bool = False
+    held_out: Tensor | None = None
 
     @property
     def train(self) -> Tensor:
@@ -55,7 +58,7 @@ class Corpus:
 
     @property
     def val(self) -> Tensor:
-        return self.tokens[self.val_start :]
+        return self.held_out if self.held_out is not None else self.tokens[self.val_start :]
 
 
 class PackedTokens:
@@ -107,16 +110,20 @@ class PackedTokens:
             )
         self.epoch = 0
         self.position = 0  # batches already served in the current epoch
+        self._orders: dict[int, Tensor] = {}  # the last epoch's order, drawn once, not per batch
 
     def _order(self, epoch: int) -> Tensor:
-        """Window indices this rank visits in ``epoch``."""
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.n_windows, generator=gen)
-        else:
-            order = torch.arange(self.n_windows)
-        used = order[: self.windows_per_rank * self.world_size]
-        return used[self.rank :: self.world_size]
+        """Window indices this rank visits in ``epoch`` (kept for the epoch: on a large corpus
+        the permutation costs more than the batch)."""
+        if epoch not in self._orders:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.n_windows, generator=gen)
+            else:
+                order = torch.arange(self.n_windows)
+            used = order[: self.windows_per_rank * self.world_size]
+            self._orders = {epoch: used[self.rank :: self.world_size].clone()}  # this rank's share only
+        return self._orders[epoch]
 
     def batch(self, epoch: int, index: int) -> tuple[Tensor, Tensor]:
         """The ``index``-th batch of ``epoch`` for this rank: int64 (inputs, targets)."""
@@ -178,8 +185,6 @@ def make_loaders(tc: TrainConfig, tokens: Tensor | Corpus, dev: Dist) -> tuple[P
             world_size=dev.dp,
         )
     except ValueError as exc:
-        raise ConfigError(
-            f"data: {exc}; read more text (data.max_bytes={tc.data.max_bytes}) or use a smaller "
-            f"trainer.batch / trainer.seq"
-        ) from exc
+        more = "give more tokens" if tc.data.source == "tokens" else f"read more text (data.max_bytes={tc.data.max_bytes})"
+        raise ConfigError(f"data: {exc}; {more} or use a smaller trainer.batch / trainer.seq") from exc
     return train, val

@@ -99,7 +99,7 @@ def source_where(data: DataConfig) -> str:
     """Where the configured corpus is read from, in words (for messages)."""
     if data.source == "stdlib":
         return f"the standard library ({sysconfig.get_paths()['stdlib']})"
-    if data.source == "text":
+    if data.source in ("text", "tokens"):
         return ", ".join(data.paths)
     return f"dataset {data.dataset!r}"
 
