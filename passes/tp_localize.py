@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis import GraphView, LayerNormSite, RMSNormSite
 from boost_compile.analysis.fx_utils import LINEAR_TARGETS, is_custom_op, is_full_view, module_path
+from boost_compile.distributed import tp_random
 from boost_compile.distributed.collectives import (
     gather_from_tp,
     local_size,
@@ -184,6 +185,7 @@ class _Localizer(ShapeRules):
             self.place[node] = self._place(node)
             node.meta[PLACEMENT_KEY] = self.place[node]
             self._track_vocab(node)
+        self._rank_local_dropout()
         self._remove_full_views()
         self.gm.meta[SHARDED_NORMS_KEY] = list(self.sharded_norms)
         self.graph.lint()
@@ -322,6 +324,11 @@ class _Localizer(ShapeRules):
             return self._repeat_interleave(node)
         if is_method_or_fn(node, {"triu", "tril"}, (torch.triu, torch.tril)):
             return self._last_two_whole(node)
+        if node.op == "call_function" and t in (torch.rand_like, torch.randn_like) or is_method_or_fn(
+                node, {"bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_"}, (torch.bernoulli,)):
+            self._refuse(node, f"{fn_name(node)} draws random values shaped like a tensor cut across the TP ranks: "
+                         "every rank (seeded alike) would draw the same values on its slice",
+                         "use F.dropout or nn.Dropout there, which tp_localize gives each rank its own stream")
         if node.op == "call_function" and t in LIKE_FACTORIES:
             return self.place[node.args[0]]
         if node.op == "call_function" and t in ELEMENTWISE_FUNCTIONS or (node.op == "call_method" and t in ELEMENTWISE_METHODS):
@@ -554,6 +561,50 @@ class _Localizer(ShapeRules):
                     self._refuse(node, f"a replicated operand {x.name} {self._shape_str(x)} against one sharded on batch dim {od}", "")
         return Sharded(od)
 
+    def _rank_local_dropout(self) -> None:
+        """Each dropout on a sharded tensor, and each attention with ``dropout_p`` on sharded heads,
+        draws from this rank's own stream (:mod:`boost_compile.distributed.tp_random`): a seed
+        drawn once per call from the shared generator, mixed with the rank and the site's number."""
+        sites: list[tuple[fx.Node, str, float]] = []
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in (F.dropout, torch.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+                               torch.nn.functional.dropout3d, F.alpha_dropout, F.feature_alpha_dropout):
+                x = node.args[0]
+                if not isinstance(x, fx.Node) or self.place.get(x) is None:
+                    continue  # replicated: the shared generator keeps every rank's copy equal
+                p, training, inplace = _dropout_args(node)
+                if not training or p == 0:
+                    continue
+                if node.target not in (F.dropout, torch.dropout):
+                    self._refuse(node, f"{fn_name(node)} on a tensor cut across the TP ranks would draw the same "
+                                 "mask on every rank", "use F.dropout / nn.Dropout there")
+                if inplace:
+                    self._refuse(node, "an in-place dropout on a tensor cut across the TP ranks",
+                                 "use nn.Dropout(p) without inplace=True")
+                sites.append((node, "dropout", p))
+            elif node.target in SDPA:
+                p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+                if isinstance(p, (int, float)) and p > 0 and self.place.get(node) is not None:
+                    sites.append((node, "attention", float(p)))
+        if not sites:
+            return
+        with self.graph.inserting_before(sites[0][0]):
+            seed = self.graph.call_function(tp_random.draw_seed, ())
+        self.place[seed] = None
+        for site, (node, kind, p) in enumerate(sites):
+            if kind == "dropout":
+                node.target, node.args, node.kwargs = tp_random.tp_dropout, (node.args[0], p, seed, self.rank, site), {}
+            else:
+                names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+                defaults = (None, 0.0, False, None, False)
+                extra = [node.kwargs.get(n, node.args[3 + i] if len(node.args) > 3 + i else d)
+                         for i, (n, d) in enumerate(zip(names, defaults, strict=True))]
+                node.target = tp_random.tp_attention_dropout
+                node.args, node.kwargs = (*node.args[:3], *extra, seed, self.rank, site), {}
+            self.repairs.append(f"rank-local dropout ({kind}, p={p}) at {node.name}: this rank's own stream, site {site}")
+
     def _sdpa(self, node: fx.Node) -> Placement:
         q, k, v = node.args[:3]
         heads = len(self.full[q]) - 3
@@ -754,6 +805,17 @@ class _Localizer(ShapeRules):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _dropout_args(node: fx.Node) -> tuple[float, bool, bool]:
+    """(p, training, inplace) of ``F.dropout(x, p, training, inplace)`` or ``torch.dropout(x, p, train)``."""
+    if node.target is torch.dropout:
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        return float(p), bool(node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)), False
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+    inplace = node.kwargs.get("inplace", node.args[3] if len(node.args) > 3 else False)
+    return float(p), bool(training), bool(inplace)
 
 
 def _shape_of(node: fx.Node) -> tuple | None:

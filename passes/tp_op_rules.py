@@ -376,7 +376,7 @@ ELEMENTWISE_FUNCTIONS = {
     torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.where,
     torch.masked_fill, torch.maximum, torch.minimum, torch.reciprocal, torch.cos, torch.sin, torch.erf,
     torch.square, torch.polar, torch.complex, torch.real, torch.imag,
-    F.silu, F.gelu, F.relu, F.dropout, F.softplus, F.tanh,
+    F.silu, F.gelu, F.relu, F.dropout, torch.dropout, F.softplus, F.tanh,
 }
 ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "neg", "pow", "float", "half", "bfloat16", "double", "to", "type", "type_as",
