@@ -58,3 +58,21 @@ def test_eager_accumulation_with_evaluation(references, tmp_path):
 def test_a_local_batch_that_cannot_work_is_refused(world, overrides, message):
     with pytest.raises(ConfigError, match=message):
         validate(cfg_of(*FAST, "model=tiny", *overrides), world_size=world)
+
+
+def test_parallel_auto_accumulates_when_memory_binds(tmp_path, caplog):
+    """Without the boost backend no checkpoint mode is on offer: under a memory cap below the
+    whole batch's, the planner's layout accumulates, and the run takes it."""
+    from boost_compile.train.auto_layout import choose_layout
+    from boost_compile.train.validate import to_train_config
+
+    base = (*FAST, "model=tiny", "passes=none", "parallel=auto", "checkpoint.enabled=false", "trainer.steps=2",
+            "trainer.batch=8", "trainer.seq=64")
+    _, rows = choose_layout(to_train_config(cfg_of(*base)), world=1, device_type="cpu")
+    whole = next(r for r in rows if r.layout.local_batch is None)
+    cap = f"parallel.memory_gib={whole.memory_gib * 0.999}"
+    with caplog.at_level("INFO", logger="boost_compile.train"):
+        summary = run(cfg_of(*base, cap), tmp_path)
+    assert summary["status"] == "completed"
+    chosen = next(line for line in caplog.text.splitlines() if "parallel=auto: chose" in line)
+    assert " local" in chosen, chosen
