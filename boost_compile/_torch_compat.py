@@ -167,6 +167,20 @@ def compile_settings(
         yield
 
 
+def inductor_mode_options(mode: str) -> dict[str, Any]:
+    """The Inductor settings ``torch.compile(mode=mode)`` applies (``list_mode_options``; {} for "default")."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_option_types() -> dict[str, Any]:
+    """Every Inductor config key (nested ones dotted, ``triton.cudagraphs``) -> its declared type."""
+    import torch._inductor.config as inductor_config
+
+    return {key: inductor_config.get_type(key) for key in inductor_config.get_config_copy()}
+
+
 #: Compile settings under which every compile runs its passes (no FX-graph or AOT-autograd
 #: cache hit skips them): for tools that read what the passes report.
 NO_COMPILE_CACHES = {"inductor": {"fx_graph_cache": False}, "functorch": {"enable_autograd_cache": False}}

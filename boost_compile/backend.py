@@ -8,6 +8,8 @@
 3. the graph goes to the inner compiler ("inductor", "aot_eager" or "eager"),
    with the ATen passes attached (Inductor: ``post_grad_custom_post_pass``;
    aot_eager: run on the forward and backward graphs before they execute).
+   Inductor runs under the config of ``mode=`` (torch.compile's, or ``options["mode"]``)
+   and of ``options["inductor"]``.
 
 ``Recorder`` (used by ``explain``) keeps the code and reports of every stage.
 """
@@ -25,7 +27,7 @@ import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis import GraphView, count_ops
-from boost_compile.config import BoostConfig
+from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.pass_manager import (
     AtenPipeline,
     PassContext,
@@ -107,7 +109,7 @@ def _inner_compile(
 
         extra = {"partition_fn": partitioner} if partitioner is not None else {}
         return compat.aot_autograd(fw_compiler=run_pipeline, bw_compiler=run_pipeline, **extra)(gm, example_inputs)
-    patches: dict[str, Any] = {}
+    patches = config.inductor_patches()  # mode=, then options["inductor"]
     if pipeline.passes:
         patches["post_grad_custom_post_pass"] = pipeline
     if partitioner is not None:
@@ -115,19 +117,31 @@ def _inner_compile(
     return compat.compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def with_mode(config: BoostConfig, mode: str | None) -> BoostConfig:
+    """``config`` with torch.compile's ``mode=`` as its ``mode`` (None: as it is).
+
+    A mode given both ways must agree: nothing says which of two would be meant.
+    """
+    if mode is None or mode == config.mode:
+        return config
+    if config.mode != "default":
+        raise ConfigError(f"mode={mode!r} and options mode={config.mode!r} disagree; give the mode once")
+    return config.replace(mode=mode)
+
+
 def boost_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
     options: BoostConfig | dict[str, Any] | None = None,
+    mode: str | None = None,
     **kwargs: Any,
 ) -> Callable[..., Any]:
     """The Dynamo backend registered as ``"boost"``.
 
-    ``torch.compile`` passes ``options=`` through unchanged; ``mode=`` is not used.
+    ``torch.compile`` passes ``options=`` through unchanged, or ``mode=`` (it refuses both
+    at once; ``options={"mode": ...}`` gives a mode with other options).
     """
-    if kwargs.get("mode") not in (None, "default"):
-        raise ValueError(f"backend='boost' takes no mode (got {kwargs['mode']!r}); use options=")
-    config = BoostConfig.from_options(options)
+    config = with_mode(BoostConfig.from_options(options), mode)
     return compile_graph(gm, example_inputs, config)
 
 
@@ -136,6 +150,9 @@ def compile(  # noqa: A001 - mirrors torch.compile
     config: BoostConfig | dict[str, Any] | None = None,
     **compile_kwargs: Any,
 ) -> Callable[..., Any]:
-    """``torch.compile(model, backend="boost", options=config)``, with the config checked now."""
-    cfg = BoostConfig.from_options(config)
+    """``torch.compile(model, backend="boost", options=config)``, with the config checked now.
+
+    ``mode=`` may come with ``config`` here (it becomes the config's ``mode``).
+    """
+    cfg = with_mode(BoostConfig.from_options(config), compile_kwargs.pop("mode", None))
     return torch.compile(model, backend=functools.partial(compile_graph, config=cfg), **compile_kwargs)

@@ -8,6 +8,7 @@ choices, so a typo never silently turns a pass off.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,11 @@ RMSNORM_DEVICES = ("cuda", "cpu")
 #: ``checkpoint=``: what the backward keeps (passes/activation_checkpoint.py describes each policy).
 CHECKPOINT_MODES = ("none", "lowrank", "full", "budget")
 NORM_STATISTIC_MODES = ("packed", "separate")
+#: ``mode=``: the torch.compile modes boost takes; what each sets comes from Inductor itself
+#: (``list_mode_options``). "lite" is not one: it turns off the post-grad passes boost's ATen passes run in.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: Inductor settings the backend sets itself (its ATen passes, its partitioner): not for ``inductor=``.
+BOOST_INDUCTOR_KEYS = ("post_grad_custom_post_pass", "custom_partitioner_fn")
 
 
 class ConfigError(ValueError):
@@ -177,6 +183,16 @@ class BoostConfig:
     ``checkpoint``: activation checkpointing, one of ``CHECKPOINT_MODES`` (off by
     default); ``checkpoint_budget`` is PyTorch's activation memory budget, in
     [0, 1], used by ``checkpoint="budget"`` only.
+    ``mode``: torch.compile's mode for the inner Inductor compile, one of ``COMPILE_MODES``,
+    with the settings Inductor itself uses for it: "max-autotune" autotunes GEMMs and uses CUDA
+    graphs, "max-autotune-no-cudagraphs" the same without CUDA graphs, "reduce-overhead" CUDA
+    graphs only. ``torch.compile(mode=...)`` sets it; torch.compile takes ``mode`` or
+    ``options``, never both, so give a mode together with other options here.
+    ``inductor``: Inductor config values for the inner compile, keys as in
+    ``torch._inductor.config`` (``{"max_autotune": True, "triton.cudagraphs": False}``; nested
+    dicts are read as dotted keys), applied after the mode's settings, so they win. Inductor
+    puts its config into its FX graph cache key: different settings never share an artifact.
+    ``mode`` and ``inductor`` need ``inner="inductor"`` (elsewhere they would do nothing).
     """
 
     inner: str = "inductor"
@@ -189,6 +205,8 @@ class BoostConfig:
     op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
     checkpoint: str = "none"
     checkpoint_budget: float = 0.5
+    mode: str = "default"
+    inductor: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.inner not in INNER_COMPILERS:
@@ -201,6 +219,25 @@ class BoostConfig:
             )
         if not 0.0 <= self.checkpoint_budget <= 1.0:
             raise ConfigError(f"checkpoint_budget must be in [0, 1], got {self.checkpoint_budget}")
+        if self.mode not in COMPILE_MODES:
+            raise ConfigError(f"mode={self.mode!r} is not valid for backend='boost'; choose one of {COMPILE_MODES}")
+        self.inductor = _checked_inductor_options(self.inductor) if self.inductor else {}
+        if self.inner != "inductor" and self.mode != "default":
+            raise ConfigError(
+                f"mode={self.mode!r} configures Inductor and would do nothing with inner={self.inner!r}; "
+                "use inner='inductor' or mode='default'"
+            )
+        if self.inner != "inductor" and self.inductor:
+            raise ConfigError(
+                f"inductor={sorted(self.inductor)} configures Inductor and would do nothing with "
+                f"inner={self.inner!r}; use inner='inductor' or drop them"
+            )
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """The Inductor config the inner compile runs under: the mode's settings, then ``inductor``."""
+        from boost_compile import _torch_compat as compat
+
+        return {**compat.inductor_mode_options(self.mode), **self.inductor}
 
     @classmethod
     def from_options(cls, options: BoostConfig | dict[str, Any] | None) -> BoostConfig:
@@ -220,6 +257,43 @@ class BoostConfig:
         """A copy with top-level fields changed (nested dicts are validated)."""
         merged = {**_shallow_dict(self), **changes}
         return _build(type(self), merged, prefix="")
+
+
+def _checked_inductor_options(values: dict[str, Any]) -> dict[str, Any]:
+    """``inductor=`` with nested dicts flattened to dotted keys, each key and value type
+    checked against Inductor's own config (an unknown key names the close matches)."""
+    from boost_compile import _torch_compat as compat
+
+    if not isinstance(values, dict):
+        raise ConfigError(f"inductor must be a dict of Inductor settings, got {type(values).__name__}")
+    types_ = compat.inductor_option_types()
+    flat: dict[str, Any] = {}
+    pending = list(values.items())
+    while pending:
+        key, value = pending.pop(0)
+        key = str(key)
+        if isinstance(value, dict) and key not in types_ and any(k.startswith(f"{key}.") for k in types_):
+            pending.extend((f"{key}.{k}", v) for k, v in value.items())
+            continue
+        if key not in types_:
+            close = difflib.get_close_matches(key, list(types_), n=3)
+            hint = f"did you mean {close}?" if close else "see torch._inductor.list_options()"
+            raise ConfigError(f"inductor.{key} is not an Inductor setting (torch._inductor.config); {hint}")
+        if key in BOOST_INDUCTOR_KEYS:
+            raise ConfigError(f"inductor.{key} is set by backend='boost' itself (its passes); leave it out")
+        _check_inductor_type(key, types_[key], value)
+        flat[key] = value
+    return flat
+
+
+def _check_inductor_type(key: str, annotation: Any, value: Any) -> None:
+    """Inductor's own rule (torch.compile's options=): plain types are checked, generic ones not."""
+    if get_origin(annotation) is not None or not isinstance(annotation, type):
+        return
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    if not isinstance(value, annotation):
+        raise ConfigError(f"inductor.{key}={value!r} has the wrong type; expected {annotation.__name__}")
 
 
 def _shallow_dict(obj: Any) -> dict[str, Any]:
@@ -276,6 +350,10 @@ def _check_scalar(name: str, annotation: Any, value: Any) -> None:
     for typ in allowed:
         if get_origin(typ) is Literal and value in get_args(typ):
             return
+        if get_origin(typ) is dict:
+            if isinstance(value, dict):
+                return
+            continue
         if get_origin(typ) in (list, tuple):
             item = get_args(typ)[0] if get_args(typ) else object
             if isinstance(value, (list, tuple)) and all(isinstance(v, item) for v in value):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import check_recorded_compile, tiny_hf_llama, upcast
+from conftest import check_against_eager, check_recorded_compile, tiny_hf_llama, upcast
 from torch._functorch import config as functorch_config
 from torch._inductor import config as inductor_config
 
@@ -126,6 +126,38 @@ def test_bf16_autocast_parity() -> None:
             runs.append(loss.detach())
     errors = step_errors((runs[2], grads(tested)), (runs[0], model), (runs[1], truth))
     assert_parity(errors, torch.bfloat16, "bf16 autocast")
+
+
+def test_reduce_overhead_parity() -> None:
+    """``torch.compile(mode="reduce-overhead")``: Inductor's CUDA graphs under boost, on the tiny
+    CoLA model. Two steps first (warm-up, then recording), so the checked step replays the
+    graphs; the parity rule on its loss and gradients. On the CPU dry run Inductor skips the
+    graphs (nothing to capture there) and the same step runs its plain kernels."""
+    from torch._dynamo.utils import counters
+
+    tokens, targets = _tokens(0), _tokens(1)
+
+    def compile_warmed(model: torch.nn.Module):
+        compiled = torch.compile(model, backend="boost", mode="reduce-overhead", fullgraph=True)
+        for _ in range(2):
+            torch.compiler.cudagraph_mark_step_begin()
+            compiled(tokens, targets).backward()
+            model.zero_grad(set_to_none=True)
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled
+
+    counters.clear()
+    with no_caches():
+        check_against_eager(_reference("tiny", torch.float32), compile_warmed, lambda m, _x: m(tokens, targets),
+                            what="mode=reduce-overhead")
+    skips = counters["inductor"]["cudagraph_skips"]
+    if DEVICE == "cuda":
+        from torch._inductor import cudagraph_trees
+
+        assert skips == 0, f"Inductor skipped the CUDA graphs {skips} time(s) (TORCH_LOGS=perf_hints says why)"
+        assert cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager is not None, "no CUDA graph tree"
+    else:
+        assert skips > 0, "the mode's triton.cudagraphs=True did not reach Inductor"
 
 
 def test_boost_train_twenty_steps(tmp_path: Path) -> None:
