@@ -37,10 +37,8 @@ from boost_compile.train.metrics import (
     MetricsWriter,
     PeakMemory,
     Progress,
-    Utilization,
     count_restarts,
     plot_losses,
-    utilization,
     wandb_run,
     write_summary,
 )
@@ -48,6 +46,7 @@ from boost_compile.train.model import fit_vocab
 from boost_compile.train.optim import make_optimizer
 from boost_compile.train.parallel import Dist, ModelParts, attempt, build_model_parts, global_numel
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
+from boost_compile.train.utilization import Utilization, utilization
 from boost_compile.train.validate import ModelShape, boost_options
 
 log = logging.getLogger("boost_compile.train")

@@ -29,19 +29,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-from torch import nn
 
 from boost_compile.config import ConfigError
-from boost_compile.costmodel.scale_model import model_flops_per_token, model_flops_utilization
 from boost_compile.train.config import MetricsConfig, TrainConfig, field_choices
-
-if TYPE_CHECKING:
-    from boost_compile.train.parallel import Dist
-    from boost_compile.train.validate import ModelShape
 
 log = logging.getLogger("boost_compile.train")
 
@@ -360,92 +354,6 @@ def read_summary(path: Path) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- model FLOPs utilization
 
-#: trainer.precision -> the number format whose peak FLOP/s MFU divides by
-PRECISION_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp64": "fp64"}
-
-
-def matmul_weights(model: nn.Module, dev: Dist | None = None) -> int:
-    """Weights of the matmuls a token goes through: every ``nn.Linear`` (each low-rank factor is
-    one; the output head too, tied or not) and Hugging Face ``Conv1D``, counted whole when this
-    rank holds a tensor-parallel shard, and summed over the pipeline ranks' stages."""
-    from boost_compile.train.parallel import global_numel
-
-    total = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            total += global_numel(module.weight, dev) if dev is not None else module.weight.numel()
-    if dev is not None and dev.pp > 1:
-        return int(dev.sum_over_pp(torch.tensor(float(total), dtype=torch.float64, device=dev.device)).item())
-    return total
-
-
-def attention_shape(shape: ModelShape) -> tuple[int, int]:
-    """(layers, heads x head_dim) of the model's attention."""
-    if shape.kind == "preset":
-        c = shape.llama_config
-        return c.n_layers, c.n_heads * c.head_dim
-    c = shape.hf_config
-    head_dim = getattr(c, "head_dim", None) or shape.dim // shape.n_heads
-    return int(c.num_hidden_layers), shape.n_heads * int(head_dim)
-
-
-def flops_per_token(model: nn.Module, shape: ModelShape, seq: int, dev: Dist | None = None) -> float:
-    """Model FLOPs of training on one token of ``model`` at sequence length ``seq`` (causal attention):
-    :func:`~boost_compile.costmodel.scale_model.model_flops_per_token` of its live linears."""
-    layers, width = attention_shape(shape)
-    return model_flops_per_token(matmul_weights(model, dev), layers, width, seq)
-
-
-@dataclass(frozen=True)
-class Utilization:
-    """What MFU needs besides tokens/s: the model's FLOPs per token and, when the hardware file
-    gives it for the run's dtype, one device's peak FLOP/s (else None: no MFU)."""
-
-    flops_per_token: float
-    devices: int
-    peak_flops: float | None
-    #: the hardware file and dtype the peak is of, or why there is none
-    source: str
-
-    def mfu(self, tokens_per_s: float) -> float | None:
-        """The fraction of the devices' peak that ``tokens_per_s`` (the run's, all ranks) puts to use."""
-        if self.peak_flops is None:
-            return None
-        return model_flops_utilization(self.flops_per_token, tokens_per_s, self.devices, self.peak_flops)
-
-
-def device_peak(tc: TrainConfig, device_type: str) -> tuple[float | None, str]:
-    """(one device's peak FLOP/s in ``trainer.precision``'s dtype, its hardware file and dtype), or
-    (None, why not). The file is the planner's: ``parallel.hardware``, else the device's default."""
-    from boost_compile.costmodel.hardware import load_hardware, peak_flops_for
-    from boost_compile.train.auto_layout import default_hardware
-
-    dtype = PRECISION_DTYPES.get(tc.trainer.precision)
-    try:
-        name = tc.parallel.hardware or default_hardware(device_type)
-        hw = load_hardware(name)
-    except (ConfigError, OSError, ValueError) as exc:
-        return None, f"no hardware file ({exc})"
-    peak = peak_flops_for(hw, dtype) if dtype is not None else None
-    if peak is None:
-        given = f"the peak of {hw.peak_dtype}" if hw.peak_dtype else "a peak of no named dtype"
-        return None, (f"hardware file {name} gives {given}, not of {dtype or tc.trainer.precision} "
-                      f"(trainer.precision={tc.trainer.precision}); parallel.hardware names another file")
-    return peak, f"hardware file {name}, {dtype}"
-
-
-def utilization(tc: TrainConfig, model: nn.Module, shape: ModelShape, dev: Dist) -> Utilization:
-    """The run's :class:`Utilization` (``model``: this rank's, sharded or a pipeline's stages); rank 0
-    logs the FLOPs per token and the peak, or the one line saying why MFU is not reported."""
-    fpt = flops_per_token(model, shape, tc.trainer.seq, dev)
-    peak, source = device_peak(tc, dev.device.type)
-    if dev.is_main:
-        if peak is None:
-            log.info("mfu: not reported: %s", source)
-        else:
-            log.info("mfu: %s model FLOPs per token (forward + backward), peak %s FLOP/s per device (%s), %d device(s)",
-                     f"{fpt:.4g}", f"{peak:.4g}", source, dev.world)
-    return Utilization(fpt, dev.world, peak, source)
 
 
 class PeakMemory:

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import METRICS_RUN, cfg_of
 
-from boost_compile.costmodel import scale_model
+from boost_compile.costmodel import flops, scale_model
 from boost_compile.costmodel.hardware import hardware_from_dict, load_hardware, peak_flops_for
 from boost_compile.models import Llama
 from boost_compile.train import run
 from boost_compile.train.config import ModelConfig, TrainConfig
-from boost_compile.train.metrics import device_peak, flops_per_token
+from boost_compile.train.utilization import device_peak, flops_per_token
 from boost_compile.train.validate import model_shape
 
 SEQ = 32
@@ -63,7 +63,7 @@ def test_live_model_agrees_with_the_scale_model(preset, system):
     arch = "cola" if c.projection == "dense" else c.projection
     scale_shape = scale_model.Shape(preset, c.dim, c.ffn_dim, c.n_layers, c.n_heads, c.vocab_size, arch=arch)
     for seq in (SEQ, 1024):
-        expected = scale_model.training_flops_per_token(scale_shape, system, seq)
+        expected = flops.training_flops_per_token(scale_shape, system, seq)
         assert flops_per_token(model, shape, seq) == pytest.approx(expected, rel=1e-12)
 
 

@@ -30,11 +30,6 @@ def split(tokens: Tensor, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, T
     return tokens[:-n_val], tokens[-n_val:]
 
 
-def val_cut(n: int, val_fraction: float) -> int:
-    """Where the validation split of ``n`` bytes or tokens starts (as :func:`split` cuts)."""
-    return n - max(1, int(n * val_fraction))
-
-
 @dataclass
 class Corpus:
     """A tokenized corpus: one 1-D token stream whose validation split starts at ``val_start``,

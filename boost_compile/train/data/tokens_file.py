@@ -11,7 +11,8 @@ The layouts (``data.paths``):
 
 A ``.npy`` file (an int32, uint16, int64 ... array) names its own type; a ``.bin`` file is
 read as ``data.token_dtype``. ``data.tokenizer`` names the tokenizer that made the ids: the
-model's vocabulary follows it, and :func:`load_token_corpus` refuses a file holding an id
+model's vocabulary follows it, and :func:`~boost_compile.train.data.cache.load_token_corpus`
+refuses a file holding an id
 outside it (the ids are checked a chunk at a time, read from the file, not from the map).
 The batches index the map (:class:`~boost_compile.train.data.packing.PackedTokens`), so
 only the windows a batch takes are read.
@@ -22,19 +23,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from boost_compile.config import ConfigError
 from boost_compile.train.config import DataConfig
-from boost_compile.train.data.packing import Corpus, val_cut
-from boost_compile.train.tokenizer import BYTES, Tokenizer, load_tokenizer, parse_spec
+from boost_compile.train.data.split_points import val_cut
+from boost_compile.train.tokenizer import Tokenizer, parse_spec
 
 if TYPE_CHECKING:
     import numpy as np
-
-    from boost_compile.train.parallel import Dist
 
 log = logging.getLogger("boost_compile.train")
 
@@ -205,58 +202,3 @@ def check_token_files(data: DataConfig, seq: int, batch: int, dp: int = 1) -> No
             + (" (a larger data.val_fraction)" if files.val is None else "")
             + " or use a smaller trainer.seq"
         )
-
-
-def load_token_corpus(data: DataConfig, run_dir: Path | None = None, dev: Dist | None = None) -> Corpus:
-    """The pre-tokenized corpus ``data.paths`` names, memory-mapped, with ``data.tokenizer``.
-
-    Rank 0 loads the tokenizer (a ``tokenizer.json`` is copied into ``run_dir`` for export and
-    generation) and checks every id against its vocabulary; the others take both from its
-    broadcast, so all raise the same ConfigError. Every rank maps the same files.
-    """
-    world = dev.world if dev is not None else 1
-    main = dev is None or dev.is_main
-
-    def share(value: Any) -> Any:
-        return dev.broadcast(value) if dev is not None and world > 1 else value
-
-    files = token_files(data)
-    train = map_tokens(files.train, data)
-    val = map_tokens(files.val, data) if files.val is not None else None
-    tok: Tokenizer | None = None
-    problem: str | None = None
-    if main:  # a refusal goes to every rank (a rank that raised alone would leave the others waiting)
-        try:
-            tok = _tokenizer(data, run_dir)
-            for path, array in ((files.train, train), (files.val, val)):
-                if path is not None and array is not None and problem is None:
-                    problem = id_problem(path, array, tok, data.tokenizer)
-        except ConfigError as exc:
-            problem = str(exc)
-    shared, problem = share(((tok.to_str(), tok.name) if tok is not None else None, problem))
-    if problem is not None:
-        raise ConfigError(problem)
-    if tok is None:
-        tok = Tokenizer.bytes() if not shared[0] else Tokenizer.from_str(*shared)
-    tokens = torch.from_numpy(train)  # shares the map's memory: no copy of the corpus
-    if val is None:
-        corpus = Corpus(tokens, val_cut(len(tokens), data.val_fraction), tok)
-    else:
-        corpus = Corpus(tokens, len(tokens), tok, held_out=torch.from_numpy(val))
-    if main:
-        log.info(
-            "tokens: mapped %s (%s train / %s val tokens, %s, %s)",
-            " + ".join(str(p) for p in (files.train, files.val) if p is not None),
-            f"{len(corpus.train):,}", f"{len(corpus.val):,}", train.dtype.name, tok.name,
-        )
-    return corpus
-
-
-def _tokenizer(data: DataConfig, run_dir: Path | None) -> Tokenizer:
-    try:
-        kind, _ = parse_spec(data.tokenizer)
-        if kind == "bpe":
-            raise ValueError(f"data=tokens cannot train data.tokenizer={data.tokenizer}: name the one that made the ids")
-        return Tokenizer.bytes() if kind == BYTES else load_tokenizer(data.tokenizer, run_dir)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
