@@ -263,6 +263,18 @@ def ddp_bucket_bytes(ddp: Any) -> int:
 # ----------------------------------------------------------------------------- modules and collectives
 
 
+def is_torch_compile_wrapper(module: Any) -> bool:
+    """``torch.compile(module)``'s wrapper (an ``OptimizedModule``), not a module compiled in place."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def wrap_compiled_call(module: Any, wrap: Any) -> None:
+    """Put ``wrap`` around the compiled forward of a module compiled in place (``module.compile()``)."""
+    module._compiled_call_impl = wrap(module._compiled_call_impl)
+
+
 def is_compiled_module(module: Any) -> bool:
     """``torch.compile(module)``'s wrapper, or a module compiled in place (``module.compile()``)."""
     from torch._dynamo.eval_frame import OptimizedModule
