@@ -31,11 +31,17 @@ import os
 from typing import Any
 
 import torch.nn as nn
-import transformers
 
 from boost_compile.blocks import tensor_parallel
 from boost_compile.config import BoostConfig
 from boost_compile.integrations.in_place import compile_in_place
+
+#: what installs this module's dependencies
+INSTALL = "pip install 'boost-compile[hf]'"
+try:
+    import transformers
+except ImportError as exc:  # one line naming the extra, not a traceback into a missing package
+    raise ImportError(f"boost_compile.integrations.hf needs transformers and accelerate, which are not installed: {INSTALL}") from exc
 
 #: the environment variable accelerate's ``TorchDynamoPlugin`` reads when given no backend
 ACCELERATE_BACKEND_ENV = "ACCELERATE_DYNAMO_BACKEND"

@@ -42,7 +42,6 @@ from boost_compile.config import BoostConfig
 from boost_compile.integrations.in_place import compile_in_place
 
 INSTALL = "pip install 'boost-compile[lightning]'"
-#: checkpoint modes that must see whole blocks: under DDP their module compiles uncut
 #: the attribute that records the config a module was compiled with (``configure_model`` runs once per stage)
 _CONFIG_ATTR = "_boost_lightning_config"
 

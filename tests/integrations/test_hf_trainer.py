@@ -235,3 +235,15 @@ def test_accelerate_prepare_of_a_boost_model_matches_eager():
     eager, truth = loop(script.build_model()), loop(script.build_model(torch.float64))
     assert_parity({"loss": loss_errors(tested[0], eager[0], truth[0]),
                    "params": error_pair(tested[1], eager[1], truth[1])}, what="accelerate prepare")
+
+
+def test_without_transformers_the_import_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "boost_compile.integrations.hf", raising=False)
+    with pytest.raises(ImportError) as info:
+        importlib.import_module("boost_compile.integrations.hf")
+    message = str(info.value)
+    assert "pip install 'boost-compile[hf]'" in message and "\n" not in message
