@@ -24,8 +24,9 @@ NORM_STATISTIC_MODES = ("packed", "separate")
 #: ``mode=``: the torch.compile modes boost takes; what each sets comes from Inductor itself
 #: (``list_mode_options``). "lite" is not one: it turns off the post-grad passes boost's ATen passes run in.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-#: Inductor settings the backend sets itself (its ATen passes, its partitioner): not for ``inductor=``.
-BOOST_INDUCTOR_KEYS = ("post_grad_custom_post_pass", "custom_partitioner_fn")
+#: Inductor settings the backend sets itself (its ATen passes, its partitioner), or that would turn
+#: its ATen passes off (they run among the post-grad passes): not for ``inductor=``.
+BOOST_INDUCTOR_KEYS = ("post_grad_custom_post_pass", "custom_partitioner_fn", "use_post_grad_passes")
 
 
 class ConfigError(ValueError):
@@ -280,7 +281,7 @@ def _checked_inductor_options(values: dict[str, Any]) -> dict[str, Any]:
             hint = f"did you mean {close}?" if close else "see torch._inductor.list_options()"
             raise ConfigError(f"inductor.{key} is not an Inductor setting (torch._inductor.config); {hint}")
         if key in BOOST_INDUCTOR_KEYS:
-            raise ConfigError(f"inductor.{key} is set by backend='boost' itself (its passes); leave it out")
+            raise ConfigError(f"inductor.{key} is set by backend='boost' itself (its ATen passes run there); leave it out")
         _check_inductor_type(key, types_[key], value)
         flat[key] = value
     return flat

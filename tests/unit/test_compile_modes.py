@@ -30,7 +30,7 @@ from boost_compile.pass_manager import AtenPipeline
 
 MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 #: the Inductor settings the backend sets for its own passes, whatever the mode
-OWN_KEYS = {"post_grad_custom_post_pass", "custom_partitioner_fn"}
+OWN_KEYS = {"post_grad_custom_post_pass", "custom_partitioner_fn"}  # what the backend itself sets
 
 
 @pytest.fixture
@@ -138,6 +138,7 @@ def test_unknown_inductor_key_names_close_matches() -> None:
         pytest.param({"triton": {"cudagraph": True}}, ["inductor.triton.cudagraph", "'triton.cudagraphs'"], id="nested-typo"),
         pytest.param({"max_autotune": "yes"}, ["inductor.max_autotune", "wrong type", "bool"], id="wrong-type"),
         pytest.param({"post_grad_custom_post_pass": None}, ["post_grad_custom_post_pass", "boost"], id="boost-owned"),
+        pytest.param({"use_post_grad_passes": False}, ["use_post_grad_passes", "its ATen passes"], id="passes-off"),
     ],
 )
 def test_bad_inductor_options_refused(inductor_options: dict, words: list[str]) -> None:
