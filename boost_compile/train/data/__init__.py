@@ -16,8 +16,8 @@ from boost_compile.train.data.cache import (
     token_dtype,
 )
 from boost_compile.train.data.packing import Corpus, PackedTokens, make_loaders, split
-from boost_compile.train.data.split_points import val_cut
 from boost_compile.train.data.sources import source_stream, stdlib_files, stdlib_text, stdlib_tokens
+from boost_compile.train.data.split_points import val_cut
 from boost_compile.train.data.tokens_file import TokenFiles, token_files
 
 # ByteTokenizer lives in train.tokenizer now; still importable from here

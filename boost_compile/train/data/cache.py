@@ -26,8 +26,8 @@ from torch import Tensor
 from boost_compile.config import ConfigError
 from boost_compile.train.config import DataConfig
 from boost_compile.train.data.packing import Corpus
-from boost_compile.train.data.split_points import val_cut
 from boost_compile.train.data.sources import source_stream, source_where
+from boost_compile.train.data.split_points import val_cut
 from boost_compile.train.data.tokens_file import id_problem, map_tokens, token_files
 from boost_compile.train.tokenizer import (
     BYTES,
