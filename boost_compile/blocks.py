@@ -15,8 +15,10 @@ Why per block (torchtitan's way) rather than the whole model as one graph:
 - every pass still sees a whole block: grouping, the RMSNorm rewrite, low-rank checkpointing.
 
 Compiling in place keeps parameter names (no ``_orig_mod.``), so optimizers, checkpoints and
-DDP see the same model. A tensor-parallel model is refused: its collectives are inserted by
-passes that today need the whole model's graph.
+DDP see the same model. A tensor-parallel model compiles block by block too: under btp and
+megatron each block's graph becomes this rank's program with its collectives, and the code around
+the blocks runs eagerly on the shards with hooks where the whole program would gather or slice
+(``distributed/tp_blocks.py``); under vanilla the blocks' DTensors carry their own collectives.
 """
 
 from __future__ import annotations
@@ -82,15 +84,11 @@ def compile_blocks(
 
     ``options``: the backend's ``options=`` (for "boost", checked by ``BoostConfig.from_options``);
     ``blocks``: the blocks' names (default: :func:`find_blocks`). The rest of the model runs
-    eagerly. Raises BlockCompileError for a tensor-parallel model (compile it whole with
-    ``torch.compile(model, backend="boost")``).
+    eagerly. Raises BlockCompileError for a tensor-parallel model whose code around the blocks
+    cannot run eagerly on its shards (the message names the construct; compile it whole with
+    ``torch.compile(model, backend="boost")``), or one parallelized with btp or megatron and a
+    backend other than boost (only boost's passes make a block's graph this rank's program).
     """
-    if tensor_parallel(model):
-        raise BlockCompileError(
-            "a tensor-parallel model (parallelize_) cannot be compiled block by block yet: the boost "
-            "passes insert its collectives on the whole model's graph. Compile it whole: "
-            "torch.compile(model, backend='boost')"
-        )
     if backend == "boost" and options is not None:
         from boost_compile.config import BoostConfig
 
@@ -98,6 +96,8 @@ def compile_blocks(
     names = list(blocks) if blocks is not None else find_blocks(model)
     if not names:
         raise BlockCompileError("blocks=[] names no block to compile")
+    if tensor_parallel(model):
+        _prepare_tensor_parallel(model, names, backend)
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)
@@ -107,9 +107,39 @@ def compile_blocks(
         except AttributeError as exc:
             raise BlockCompileError(f"blocks: {type(model).__name__} has no submodule {name!r}") from exc
         block.compile(**kwargs)
-    log.info("compiled %d blocks one by one (%s ... %s) with backend %s", len(names), names[0], names[-1],
+    if tensor_parallel(model) and getattr(model, "_boost_block_layout", None) is not None:
+        from boost_compile.distributed.tp_blocks import enter_sliced
+
+        enter_sliced(model, names)
+    log.info("compiled %d block%s one by one (%s ... %s) with backend %s", len(names), "" if len(names) == 1 else "s",
+             names[0], names[-1],
              backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__))
     return names
+
+
+def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any) -> None:
+    """btp and megatron: mark the blocks and hook the code around them (vanilla needs nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    plan = getattr(model, "_boost_tp_plan", None)
+    if plan is None or any(isinstance(p, DTensor) for p in model.parameters()):
+        return  # vanilla: DTensor parameters, the collectives come with them
+    from boost_compile.distributed.shard import ParallelizeError
+    from boost_compile.distributed.tp_blocks import prepare_blocks
+
+    if not (backend == "boost" or getattr(backend, "func", None) is _compile_graph()):
+        raise BlockCompileError(f"a model parallelized with {plan!r} compiles only with the boost backend, which "
+                                "makes each block's graph this rank's program")
+    try:
+        prepare_blocks(model, names)
+    except ParallelizeError as exc:
+        raise BlockCompileError(str(exc)) from None
+
+
+def _compile_graph() -> Any:
+    from boost_compile.backend import compile_graph
+
+    return compile_graph
 
 
 def compiled_blocks(model: nn.Module) -> list[str]:

@@ -61,6 +61,7 @@ from boost_compile.distributed.shard import (
     shard_tensor,
     show_whole,
 )
+from boost_compile.distributed.tp_blocks import block_layout
 from boost_compile.distributed.tp_roles import Roles, analyse, gemm_dim
 from boost_compile.distributed.vanilla import apply_vanilla
 
@@ -242,8 +243,10 @@ def parallelize_(
         model.set_input_guard(functools.partial(tp_sentinel, plan=plan))
     else:
         guarded = model.get_submodule(roles.embedding.rsplit(".", 1)[0]) if roles.embedding else model
-        guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
+        model._boost_sentinel_handle = guarded.register_forward_pre_hook(_sentinel_hook(plan), with_kwargs=True)
     model._boost_tp_plan = plan
+    model._boost_block_layout = block_layout(roles, specs, plan, group.group_name, world, rank, model,
+                                             returns_stream=stream_io and plan == "btp" and not roles.heads)
     report = TPReport(plan, world, specs)
     if stream_io and plan == "btp":
         example_inputs = _shard_stream_io(model, roles, example_inputs, world, rank, plan)

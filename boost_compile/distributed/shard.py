@@ -88,22 +88,35 @@ def show_whole(model: nn.Module, name: str, spec: ShardSpec, plan: str) -> None:
     attribute: under tracing it returns the shard seen with its whole shape; in
     eager code it returns the shard itself (state-dict and optimizer code that
     reads attributes keeps working; the forward pass is guarded by the sentinel).
+    Modules of one class whose attributes are cut alike share one subclass, so the
+    blocks of a model compiled one by one keep one class, and one compiled artifact.
     """
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     cls = type(owner)
-    if not getattr(cls, "_boost_full_view", False):
-        cls = type(cls.__name__, (cls,), {"_boost_full_view": True, "__module__": cls.__module__})
-        owner.__class__ = cls
-    dim, world, size = spec.dim, spec.world, -1 if spec.size is None else spec.size
+    base = cls.__dict__.get("_boost_base", cls) if getattr(cls, "_boost_full_view", False) else cls
+    views = dict(getattr(cls, "_boost_views", {})) if base is not cls else {}
+    views[attr] = (spec.dim, spec.world, -1 if spec.size is None else spec.size, plan)
+    key = tuple(sorted(views.items()))
+    cache = base.__dict__.get("_boost_view_classes")
+    if cache is None:
+        cache = {}
+        base._boost_view_classes = cache
+    if key not in cache:
+        props = {a: property(_whole_reader(a, *v)) for a, v in views.items()}
+        cache[key] = type(base.__name__, (base,), {"_boost_full_view": True, "_boost_base": base, "_boost_views": views,
+                                                   "__module__": base.__module__, **props})
+    owner.__class__ = cache[key]
 
+
+def _whole_reader(attr: str, dim: int, world: int, size: int, plan: str):
     def read(self: nn.Module) -> torch.Tensor:
         shard = self._parameters[attr]
         if torch.compiler.is_compiling():
             return tp_full_view(shard, dim, world, plan, size)
         return shard
 
-    setattr(cls, attr, property(read))
+    return read
 
 
 # ----------------------------------------------------------------------------- gathering back

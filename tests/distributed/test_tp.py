@@ -85,6 +85,26 @@ STYLE_SCENARIOS = [
     {"name": "cola-tied-btp", "model": "tiny:4:tied", "plan": "btp", "optim": "sgd"},
     {"name": "dense-tied-megatron", "model": "tiny-dense:4:tied", "plan": "megatron", "optim": "sgd"},
 ]
+#: Compiled block by block (compile_blocks on the sharded model): each block's graph made this
+#: rank's program, the code around the blocks eager on the shards; -> the graphs compiled (blocks
+#: of one class and shapes share one; LaX's first block, which receives no latents, has its own).
+BLOCK_SCENARIOS = {
+    "dense-megatron-block": ({"model": "tiny-dense:4", "plan": "megatron"}, 1),
+    "cola-btp-block": ({"model": "tiny:4", "plan": "btp"}, 1),
+    "cola-vanilla-block": ({"model": "tiny:4", "plan": "vanilla"}, 1),
+    "cola-btp-vocab255-block": ({"model": "tiny:4:vocab255", "plan": "btp"}, 1),
+    "cola-tied-btp-block": ({"model": "tiny:4:tied", "plan": "btp", "optim": "sgd"}, 1),
+    "lax-btp-block": ({"model": "tiny-lax", "plan": "btp"}, 2),
+    "cola-btp-ckpt-lowrank-block": ({"model": "tiny:4", "plan": "btp", "checkpoint": "lowrank", "steps": 1}, 1),
+    "cola-btp-inductor-block": ({"model": "tiny:4", "plan": "btp", "inner": "inductor", "steps": 1}, 1),
+    # GPT-2: a tied head, wte + wpe, and an output shape read from the stream's width before the blocks
+    "hf-gpt2-lowrank-btp-block": ({"model": "style:hf-gpt2-lowrank", "plan": "btp", "optim": "sgd"}, 1),
+    # modded-nanogpt: a weightless norm on the embedding and a functional final norm, outside any module
+    "modded-lowrank-btp-block": ({"model": "style:modded-lowrank", "plan": "btp", "optim": "sgd"}, 1),
+    # OPT: the stream flattened around the MLP and viewed back inside each block
+    "hf-opt-lowrank-btp-block": ({"model": "style:hf-opt-lowrank", "plan": "btp", "optim": "sgd"}, 1),
+    "meta-llama-dense-megatron-block": ({"model": "style:meta-llama-dense", "plan": "megatron", "optim": "sgd"}, 1),
+}
 #: Planted bugs the parity rule must reject (tp_worker.planted)
 PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1}]
 
@@ -95,7 +115,8 @@ def results(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tp")
     store, out = str(folder / "store"), str(folder / "results.json")
-    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + PLANTED, out), nprocs=2, join=True)
+    blocks = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
+    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + PLANTED, out), nprocs=2, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -112,6 +133,18 @@ def test_matches_single_process(results, name):
     assert r["missing_grads"] == []
     assert r["graphs"] == 1, "the parallelized model must capture as one graph"
     assert_parity(r["parity"], r["dtype"], name)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_SCENARIOS))
+def test_block_by_block_matches_single_process(results, name):
+    """Per block, under the same rule as whole: every gradient there, identical blocks one graph."""
+    r = ok(results, name)
+    assert r["missing_grads"] == []
+    assert r["graphs"] == BLOCK_SCENARIOS[name][1]
+    assert_parity(r["parity"], r["dtype"], name)
+    if BLOCK_SCENARIOS[name][0]["plan"] == "btp":  # the stream enters and leaves each block graph d-sharded
+        (check, *_rest) = r["check"]["compile"]
+        assert check["refused"] == 0
 
 
 def test_planted_bug_fails_the_rule(results):
@@ -432,6 +465,12 @@ def test_bad_inputs(results):
         assert op in r[case] and "model source: " in r[case] and source in r[case], r[case]
     assert "choose one of" in r["plan_name"]
     assert "DeviceMesh or a ProcessGroup" in r["not_a_group"]
+    # per block: code between two blocks would run on a d-slice under btp (named, with its line);
+    # replicated under megatron it runs whole; only the boost backend makes a block this rank's program
+    assert r["block_between"].startswith("BlockCompileError"), r["block_between"]
+    assert "view between two blocks (tp_worker.py:" in r["block_between"], r["block_between"]
+    assert r["block_megatron_between"] == "no error"
+    assert "compiles only with the boost backend" in r["block_backend"]
     assert "backend='boost'" in r["eager_run"]
     assert "backend='boost'" in r["other_backend"]
 

@@ -102,10 +102,14 @@ def test_blocks_in_a_sequential_are_found_and_mixed_containers_are_not():
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
 
-def test_a_tensor_parallel_model_is_refused():
+def test_a_tensor_parallel_model_needs_parallelize_and_the_boost_backend():
+    """A model marked as sharded with btp compiles per block only through parallelize_'s block layout
+    and with the boost backend (tests/distributed/test_tp.py runs the real thing on two ranks)."""
     model = _model("tiny")
     model._boost_tp_plan = "btp"  # what parallelize_ leaves on a sharded model
-    with pytest.raises(BlockCompileError, match=r"tensor-parallel .* torch.compile\(model, backend='boost'\)"):
+    with pytest.raises(BlockCompileError, match=r"parallelized with 'btp' compiles only with the boost backend"):
+        compile_blocks(model, backend="aot_eager")
+    with pytest.raises(BlockCompileError, match=r"has no block layout \(parallelize it with parallelize_\)"):
         compile_blocks(model)
     assert compiled_blocks(model) == []
 

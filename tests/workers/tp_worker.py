@@ -117,7 +117,12 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"),
                                        **sc.get("options", {})})
-    compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
+    backend = functools.partial(compile_graph, config=config, recorder=rec)
+    if sc.get("unit") == "block":  # each block compiled on its own, the code around them eager on the shards
+        bc.compile_blocks(model, backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
     if sc.get("loss_only"):  # a compiled step that returns the loss alone: no logits leave the graph
         compiled = torch.compile(functools.partial(call, model), backend=functools.partial(compile_graph, config=config, recorder=rec))
         call = lambda m, t: m(t)  # noqa: E731
@@ -183,6 +188,25 @@ def hooked_llama(hook: str) -> torch.nn.Module:
     return model
 
 
+class ScaledBetweenBlocks(Llama):
+    """A root that scales the stream between two blocks: per block that code would run eagerly
+    on a d-slice (harmless for a scale, but the construct is refused whatever it is)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[: tokens.shape[1]], self.rope_sin[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+            h = h.view(-1, h.shape[-1]).view(h.shape)  # a view pair keeps the stream whole to the analysis
+        return self.output(self.norm(h))
+
+
+def block_refusal(model: torch.nn.Module, plan: str, backend: Any = "boost") -> None:
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    bc.parallelize_(model, (tokens,), dist.group.WORLD, plan)
+    bc.compile_blocks(model, backend=backend)
+
+
 def bad_inputs() -> dict[str, str]:
     """Each bad case's error message (or 'no error')."""
     import style_models
@@ -204,6 +228,10 @@ def bad_inputs() -> dict[str, str]:
         "plan_name": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),),
                                              dist.group.WORLD, "zigzag"),
         "not_a_group": lambda: bc.parallelize_(Llama(LlamaConfig.preset("tiny")), (torch.zeros(1, 8, dtype=torch.long),), 2, "btp"),
+        # per block (compile_blocks on a sharded model)
+        "block_between": lambda: block_refusal(ScaledBetweenBlocks(LlamaConfig.preset("tiny")), "btp"),
+        "block_backend": lambda: block_refusal(Llama(LlamaConfig.preset("tiny")), "btp", "aot_eager"),
+        "block_megatron_between": lambda: block_refusal(ScaledBetweenBlocks(LlamaConfig.preset("tiny-dense")), "megatron"),
     }
     out = {}
     for name, fn in cases.items():
