@@ -186,8 +186,10 @@ class PassesConfig:
     """What one compiled graph holds. ``block``: each repeated block is compiled on its own and
     identical blocks share one compiled artifact (the cold compile does not grow with depth;
     under dp each block's gradients are all-reduced while the blocks below run their backward);
-    the embedding, final norm, head and loss run eagerly. ``model``: the whole model as one
-    graph. A tensor-parallel model is compiled whole either way (logged)."""
+    the embedding, final norm, head and loss run eagerly (under tp on the shards, gathered where
+    the whole program would gather). ``model``: the whole model as one graph. A tensor-parallel
+    model whose code around the blocks cannot run eagerly on its shards is compiled whole (logged
+    with the construct)."""
 
     def __post_init__(self) -> None:
         check_choices(self, "passes")

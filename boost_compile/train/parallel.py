@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile.backend import Recorder, compile_graph
-from boost_compile.blocks import compile_blocks, tensor_parallel
+from boost_compile.blocks import BlockCompileError, compile_blocks, tensor_parallel
 from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import build_model
@@ -220,24 +220,26 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
         config = BoostConfig.from_options(dict(passes.options))
         backend, options = uncached(functools.partial(compile_graph, config=config, recorder=recorder)), None
     if compiles_per_block(tc, model):
-        compile_blocks(model, options, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
-        return model
+        try:
+            compile_blocks(model, options, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
+            return model
+        except BlockCompileError as exc:
+            if not tensor_parallel(model):
+                raise
+            log.info("passes.unit=block: compiling the whole model instead (%s)", exc)
     kwargs = {"options": options} if options is not None else {}
     return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic, **kwargs)
 
 
 def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:
-    """``passes.unit=block``, unless the model is tensor-parallel or ``trainer.memory_report`` is on
-    (both compile the whole model, logged)."""
+    """``passes.unit=block``, unless ``trainer.memory_report`` is on (it compiles the whole model,
+    logged). A tensor-parallel model whose code around the blocks cannot run eagerly on its shards
+    is compiled whole by :func:`compile_model` (logged with the construct)."""
     if tc.passes.unit != "block" or tc.passes.backend == "none":
         return False
     if tc.trainer.memory_report:
         log.info("passes.unit=block: trainer.memory_report compiles the whole model (its saved-tensor "
                  "terms are read per compiled graph, and identical blocks would share one)")
-        return False
-    if tensor_parallel(model):
-        log.info("passes.unit=block: a tensor-parallel model is compiled whole (its collectives are "
-                 "inserted on the whole model's graph)")
         return False
     return True
 
