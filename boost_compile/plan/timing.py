@@ -28,13 +28,13 @@ mode, ZeRO and a schedule; this module adds what each costs:
   node) all-reduces, and pipeline stages on different nodes send, at the hardware
   file's ``internode_bus_bandwidth``.
 - **data-parallel overlap** (``overlap_s``, negative): boost-train compiles a model without
-  tensor or pipeline parallelism block by block, and DDP all-reduces each block's gradient
+  pipeline parallelism block by block (with or without TP), and DDP all-reduces each block's gradient
   bucket as that block's backward ends, beside the backward of the blocks below. Of the
   scale model's data-parallel all-reduce (``dp_s``, priced after the backward) the hardware's
   ``dp_overlap`` share of what the backward can hide is taken off: everything but the
   bottom block's bucket (``dp_s / layers``), at most the backward of the blocks above it
-  (two thirds of the step's compute per layer, plus any recompute). A TP model compiles
-  whole and pipeline stages average their gradients after the schedule: no overlap there.
+  (two thirds of the step's compute per layer, plus any recompute). Pipeline stages average
+  their gradients after the schedule: no overlap there.
 - **schedule**: GPipe and 1F1B have the same bubble (the scale model's
   ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
   rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
@@ -127,7 +127,7 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
         v = stages_per_rank
         stage_s = (pred.iteration_s - pred.optimizer_s - pred.dp_s - pred.p2p_s) / (m + pp - 1)
         schedule_s = -(pp - 1) * stage_s * (1 - 1 / v) + pred.p2p_s * (v - 1)
-    overlap_s = dp_overlap(pred, shape.layers, recompute_s, dp_internode_s, hw) if dp > 1 and tp == 1 and pp == 1 else 0.0
+    overlap_s = dp_overlap(pred, shape.layers, recompute_s, dp_internode_s, hw) if dp > 1 and pp == 1 else 0.0
     total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s + overlap_s
     return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s)
 
