@@ -152,6 +152,9 @@ class Trainer:
         self.start = 0  # the step a resumed checkpoint was saved after
         self.state: dict[str, int] | None = None  # bytes of params, grads, optimizer state (first step)
         self.utilization: Utilization | None = None  # model FLOPs per token and the peak (MFU), set by _describe
+        #: seconds from building the model to its compiled form, before the first step (summary's setup_s):
+        #: under tp parallelize_'s captures of the whole model are here, not in first_step_s
+        self.setup_s = 0.0
         # trainer.memory_report: memory_rank{R}.json, the last step profiled (inert when off)
         self.memory_report = MemoryReport(tc.trainer.memory_report, run_dir, dev.rank, tc.trainer.steps, dev.device)
 
@@ -172,10 +175,12 @@ class Trainer:
             return self._fit_pipeline(train_data, val_data)
         # parallelize_ traces one micro-step's batch: the shape every step then runs
         example = train_data.batch(0, 0)[0][: tr.rank_batch(dev.dp)].to(dev.device) if dev.tp > 1 else None
+        begin = time.perf_counter()
         parts = build_model_parts(
             tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data),
             recorder=self.memory_report.recorder,
         )
+        self.setup_s = time.perf_counter() - begin
         assert self.optimizer is not None
         self.memory_report.bind(parts.model, self.optimizer, parts.train_fn)
         self._describe(parts.model)
@@ -193,8 +198,10 @@ class Trainer:
 
         tc, dev = self.tc, self.dev
         with stage_recompile_limit(tc):
+            begin = time.perf_counter()
             parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data),
                                          recorder=self.memory_report.recorder)
+            self.setup_s = time.perf_counter() - begin
             assert self.optimizer is not None
             self.memory_report.bind(parts.model, self.optimizer)
             self._describe(parts.model, parts.total_params)
@@ -389,6 +396,7 @@ class Trainer:
             "flops_per_token": self.utilization.flops_per_token if self.utilization else None,
             "peak_mem_mib": float(peak.item()),
             "state_mib": state_mib,
+            "setup_s": round(self.setup_s, 3),
             "first_step_s": first_step_s,
             "total_s": total_s,
             "world": dev.world,
