@@ -29,6 +29,8 @@ from typing import Any
 
 from torch import nn
 
+from boost_compile.analysis.repeated import repeated_blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -43,23 +45,13 @@ def find_blocks(model: nn.Module) -> list[str]:
 
     Raises BlockCompileError when the model has none (name them with ``blocks=``).
     """
-    best: tuple[int, list[str]] | None = None
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) == 0:
-            continue
-        children = list(module.named_children())
-        if len({type(child) for _n, child in children}) != 1:
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        names = [f"{name}.{child}" if name else child for child, _m in children]
-        if best is None or size > best[0]:
-            best = (size, names)
-    if best is None:
+    found = repeated_blocks(model)
+    if found is None:
         raise BlockCompileError(
             f"{type(model).__name__} has no nn.ModuleList, nn.ModuleDict or nn.Sequential of blocks of one class; "
             "name the blocks to compile with blocks=[...] or compile the whole model"
         )
-    return best[1]
+    return found[1]
 
 
 def tensor_parallel(model: nn.Module) -> bool:

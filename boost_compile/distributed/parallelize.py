@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis import private_forward
+from boost_compile.analysis.repeated import first_blocks
 from boost_compile.distributed.collectives import tp_sentinel
 from boost_compile.distributed.shard import (
     ParallelizeError,
@@ -62,7 +63,7 @@ from boost_compile.distributed.shard import (
     show_whole,
 )
 from boost_compile.distributed.tp_blocks import block_layout
-from boost_compile.distributed.tp_roles import Roles, analyse, gemm_dim
+from boost_compile.distributed.tp_roles import Roles, analyse, gemm_dim, repeat_roles
 from boost_compile.distributed.vanilla import apply_vanilla
 
 log = logging.getLogger("boost_compile")
@@ -167,7 +168,7 @@ def parallelize_(
     validate(model, world, plan)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    roles = analyse(model, example_inputs)
+    roles = _analyse(model, example_inputs)
     if plan == "auto":
         if roles.chains and not roles.dense:
             plan = "btp"
@@ -252,9 +253,44 @@ def parallelize_(
         example_inputs = _shard_stream_io(model, roles, example_inputs, world, rank, plan)
     if shard_logits:
         _shard_logits(model, roles, specs, params, world, plan)
-    report.check = check_local_program(model, example_inputs)
+    report.check = check_local_program(model, example_inputs, blocks=KEEP_BLOCKS)
     log.info("%s; %s", report, report.check.line())
     return report
+
+
+#: the blocks parallelize_ captures of a deeper model (the rest read from the last of them): the
+#: second block is the first that receives what a block hands the next (LaX's latents)
+KEEP_BLOCKS = 2
+
+
+def _analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
+    """``analyse`` on the model's first ``KEEP_BLOCKS`` blocks when it has more, every later block's
+    roles read from the last of them, so sharding a 32-layer model costs what a 2-layer one
+    does; on the whole model when the code does not run with fewer blocks or the blocks'
+    parameters differ. A spec that a deeper block would not take is still caught: every graph
+    compiled is checked node by node (tp_localize)."""
+    try:
+        with first_blocks(model, KEEP_BLOCKS) as blocks:
+            roles = analyse(model, example_inputs) if blocks is not None else None
+    except Exception as exc:  # noqa: BLE001 - any failure of the short capture: capture it whole
+        log.debug("parallelize_: the capture of the first %d blocks failed (%s); capturing the whole model",
+                  KEEP_BLOCKS, exc)
+        blocks = roles = None
+    if blocks is None or roles is None:
+        return analyse(model, example_inputs)
+    container, names = blocks
+    params = dict(model.named_parameters())
+
+    def shapes(block: str) -> dict[str, torch.Size]:
+        return {n[len(block) + 1:]: p.shape for n, p in params.items() if n.startswith(f"{block}.")}
+
+    source = shapes(names[KEEP_BLOCKS - 1])
+    if any(shapes(block) != source for block in names[KEEP_BLOCKS:]):
+        log.debug("parallelize_: the later blocks' parameters differ from block %d's; capturing the whole model",
+                  KEEP_BLOCKS - 1)
+        return analyse(model, example_inputs)
+    whole = repeat_roles(roles, container, KEEP_BLOCKS - 1, len(names))
+    return whole
 
 
 def _shard_stream_io(model: nn.Module, roles: Roles, example_inputs: Sequence[Any], world: int, rank: int, plan: str) -> tuple:
@@ -317,12 +353,13 @@ class _Checked(Exception):
     """Raised by the dry-run backend once the check has passed (nothing is compiled)."""
 
 
-def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
+def check_local_program(model: nn.Module, example_inputs: Sequence[Any], blocks: int | None = None) -> Any:
     """Capture the sharded model on ``example_inputs`` and run ``tp_localize`` on it now.
 
     A model whose rank program cannot be built (or would not match the unsharded
     graph's shapes) is refused here, before any step, with the pass's
     ParallelizeError; otherwise returns the pass's report (nodes checked, repairs).
+    ``blocks``: capture only the model's first blocks when it has more (``first_blocks``).
     """
     from boost_compile.config import BoostConfig
     from boost_compile.pass_manager import PassContext
@@ -336,15 +373,28 @@ def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
         reports.append(TPLocalizePass(config).run(ctx))
         raise _Checked
 
-    try:
-        with private_forward(model):
-            torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
-    except compat.backend_compiler_failed() as exc:
-        if isinstance(exc.inner_exception, ParallelizeError):
-            raise exc.inner_exception from None
-        if not isinstance(exc.inner_exception, _Checked):
+    def capture() -> None:
+        try:
+            with private_forward(model):
+                torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
+        except compat.backend_compiler_failed() as exc:
+            if isinstance(exc.inner_exception, ParallelizeError):
+                raise exc.inner_exception from None
+            if not isinstance(exc.inner_exception, _Checked):
+                raise
+
+    if blocks is not None:
+        try:
+            with first_blocks(model, blocks) as kept:
+                if kept is not None:
+                    capture()
+                    return reports[0]
+        except ParallelizeError:
             raise
-    return reports[0]
+        except Exception as exc:  # noqa: BLE001 - the short capture failed: check the whole model
+            log.debug("parallelize_: the check of the first %d blocks failed (%s); checking the whole model", blocks, exc)
+    capture()
+    return reports[-1]
 
 
 def _sentinel_hook(plan: str):

@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from boost_compile.analysis import GraphView, capture_views
+from boost_compile.analysis.repeated import repeat_names
 from boost_compile.distributed.shard import ParallelizeError
 
 
@@ -81,6 +82,23 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
         if s.param_name and s.node in after and not view.in_block(s) and _read_only_by(s.weight, s.node, names)
     ]
     return Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections, heads)
+
+
+def repeat_roles(roles: Roles, container: str, source: int, count: int) -> Roles:
+    """``roles`` read from a capture of the first blocks, extended to ``count`` blocks: block
+    ``source``'s parameters stand for every later block's (``analysis.repeated.first_blocks``)."""
+    def names(values: list[str]) -> list[str]:
+        return repeat_names(values, container, source, count)
+
+    def each(name: str) -> list[str]:
+        return repeat_names([name], container, source, count)
+
+    chains = [(down, c[1], up, c[3]) for c in roles.chains for down, up in zip(each(c[0]), each(c[2]), strict=True)]
+    dense = [(w, layout, role) for weight, layout, role in roles.dense for w in each(weight)]
+    biases = {w: b for weight, bias in roles.biases.items() for w, b in zip(each(weight), each(bias), strict=True)}
+    sections = {w: parts for weight, parts in roles.sections.items() for w in each(weight)}
+    return Roles(roles.view, roles.embedding, roles.shardable_embeddings, names(roles.block_norms), chains, dense,
+                 biases, sections, roles.heads)
 
 
 def _read_only_by(weight: fx.Node, gemm: fx.Node, names: dict[fx.Node, str]) -> bool:

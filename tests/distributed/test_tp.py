@@ -105,6 +105,15 @@ BLOCK_SCENARIOS = {
     "hf-opt-lowrank-btp-block": ({"model": "style:hf-opt-lowrank", "plan": "btp", "optim": "sgd"}, 1),
     "meta-llama-dense-megatron-block": ({"model": "style:meta-llama-dense", "plan": "megatron", "optim": "sgd"}, 1),
 }
+#: Deeper than the two blocks parallelize_ captures: the later blocks' specs are read from the
+#: second block's, and must be those a capture of every block gives (whole and per block)
+DEEP_SCENARIOS = [
+    {"name": "cola-btp-deep", "model": "tiny:4:layers5", "plan": "btp", "whole_capture": True, "steps": 1},
+    {"name": "dense-megatron-deep-block", "model": "tiny-dense:4:layers5", "plan": "megatron", "whole_capture": True,
+     "unit": "block", "steps": 1},
+    {"name": "lax-btp-deep-block", "model": "tiny-lax::layers5", "plan": "btp", "whole_capture": True, "unit": "block",
+     "steps": 1},
+]
 #: Planted bugs the parity rule must reject (tp_worker.planted)
 PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1}]
 
@@ -116,7 +125,7 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
     store, out = str(folder / "store"), str(folder / "results.json")
     blocks = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
-    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + PLANTED, out), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + DEEP_SCENARIOS + PLANTED, out), nprocs=2, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -145,6 +154,18 @@ def test_block_by_block_matches_single_process(results, name):
     if BLOCK_SCENARIOS[name][0]["plan"] == "btp":  # the stream enters and leaves each block graph d-sharded
         (check, *_rest) = r["check"]["compile"]
         assert check["refused"] == 0
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in DEEP_SCENARIOS])
+def test_deep_models_are_sharded_from_their_first_blocks(results, name):
+    """A 5-layer model: parallelize_ captures 2 blocks (fewer nodes checked than a capture of all
+    5), gives every parameter the spec the whole capture gives, and matches one process."""
+    r = ok(results, name)
+    assert r["specs"] == r["whole_capture"]["specs"]
+    assert len([n for n in r["specs"] if n.startswith("layers.4.")]) > 0
+    assert r["checked"] < r["whole_capture"]["checked"]
+    assert r["missing_grads"] == []
+    assert_parity(r["parity"], r["dtype"], name)
 
 
 def test_planted_bug_fails_the_rule(results):

@@ -57,8 +57,24 @@ def build(kind: str) -> tuple[torch.nn.Module, Any]:
         overrides["tie_embeddings"] = True
     elif extra.startswith("vocab"):  # "vocab255": a vocabulary the TP degree does not divide
         overrides["vocab_size"] = int(extra.removeprefix("vocab"))
+    elif extra.startswith("layers"):  # "layers5": deeper than the blocks parallelize_ captures
+        overrides["n_layers"] = int(extra.removeprefix("layers"))
     model = Llama(LlamaConfig.preset(preset, **overrides))
     return model, lambda m, t: m(t, t)
+
+
+def whole_capture_specs(ref: torch.nn.Module, tokens: torch.Tensor, sc: dict[str, Any]) -> dict[str, Any]:
+    """parallelize_ on a copy of ``ref`` with every block captured (KEEP_BLOCKS raised past the depth)."""
+    import boost_compile.distributed.parallelize as par
+
+    other = copy.deepcopy(ref)
+    saved, par.KEEP_BLOCKS = par.KEEP_BLOCKS, 1000
+    try:
+        report = bc.parallelize_(other, (tokens,), dist.group.WORLD, plan=sc["plan"])
+    finally:
+        par.KEEP_BLOCKS = saved
+    return {"specs": {name: str(spec) for name, spec in report.specs.items()},
+            "checked": report.check.details["checked"] if report.check is not None else None}
 
 
 def make_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
@@ -114,6 +130,7 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     vocab = min(256, getattr(getattr(ref, "config", None), "vocab_size", 256))
     tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"], **sc.get("parallelize", {}))
+    full_capture = whole_capture_specs(ref, tokens, sc) if sc.get("whole_capture") else None
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"),
                                        **sc.get("options", {})})
@@ -168,6 +185,10 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
         for kind in ("forward", "backward")
     }
+    if full_capture is not None:  # the specs read from the first blocks against a capture of them all
+        out["specs"] = {name: str(spec) for name, spec in report.specs.items()}
+        out["whole_capture"] = full_capture
+        out["checked"] = report.check.details["checked"] if report.check is not None else None
     out["config"] = {k: getattr(getattr(ref, "config", None), k, None)
                      for k in ("dim", "n_layers", "ffn_dim", "rank_attn", "rank_mlp", "vocab_size")}
     return out
