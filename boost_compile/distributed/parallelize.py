@@ -39,6 +39,7 @@ collectives. Run without the backend, the model raises (``tp_sentinel``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import private_forward
+from boost_compile.analysis import GraphView, private_forward
 from boost_compile.analysis.repeated import first_blocks
 from boost_compile.distributed.collectives import tp_sentinel
 from boost_compile.distributed.shard import (
@@ -253,7 +254,10 @@ def parallelize_(
         example_inputs = _shard_stream_io(model, roles, example_inputs, world, rank, plan)
     if shard_logits:
         _shard_logits(model, roles, specs, params, world, plan)
-    report.check = check_local_program(model, example_inputs, blocks=KEEP_BLOCKS)
+    if stream_io or shard_logits:  # a stage's markers change its program: capture the sharded stage
+        report.check = check_local_program(model, example_inputs, blocks=KEEP_BLOCKS)
+    else:
+        report.check = check_captured(roles.view)
     log.info("%s; %s", report, report.check.line())
     return report
 
@@ -351,6 +355,35 @@ def _shard_logits(model: nn.Module, roles: Roles, specs: dict[str, ShardSpec], p
 
 class _Checked(Exception):
     """Raised by the dry-run backend once the check has passed (nothing is compiled)."""
+
+
+def check_captured(view: GraphView) -> Any:
+    """``tp_localize`` on a copy of ``parallelize_``'s own capture of the unsharded model, whose
+    parameters are now the shards: the check of :func:`check_local_program` without a second
+    capture. The placeholders keep the whole shapes the capture saw, which is what
+    ``tp_full_view`` shows the graph a compile captures; the pass reads each one's ShardSpec
+    from the parameter behind it and checks every node against the whole shapes, as at compile.
+    """
+    from boost_compile.config import BoostConfig
+    from boost_compile.pass_manager import PassContext
+    from boost_compile.passes.tp_localize import TPLocalizePass
+
+    gm = copy.deepcopy(view.gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, view.example_inputs, strict=False):
+        spec = getattr(value, "_boost_tp", None)
+        if spec is None or spec.dim is None:
+            continue
+        # placeholder (the shard) -> tp_full_view (the whole shape the capture saw), as a compile's capture reads it
+        with gm.graph.inserting_after(node):
+            whole = gm.graph.call_function(torch.ops.boost.tp_full_view.default,
+                                           (node, spec.dim, spec.world, spec.plan, -1 if spec.size is None else spec.size))
+        node.replace_all_uses_with(whole, delete_user_cb=lambda user, whole=whole: user is not whole)
+        whole.meta = dict(node.meta)
+        node.meta["example_value"] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    gm.recompile()
+    config = BoostConfig()
+    return TPLocalizePass(config).run(PassContext(gm, view.example_inputs, config, grad_enabled=True))
 
 
 def check_local_program(model: nn.Module, example_inputs: Sequence[Any], blocks: int | None = None) -> Any:
