@@ -85,7 +85,7 @@ class Hardware:
     #: seconds of one rank's cold compile (empty Inductor cache) of one block graph and the rest
     #: of the step, for a per-block compile; 0: not measured for this hardware
     cold_compile_s: float = 0.0
-    #: seconds each layer adds to a whole-model cold compile; 0: not measured
+    #: seconds each layer adds to a whole-model cold compile (``passes.unit=model``); 0: not measured
     cold_compile_per_layer_s: float = 0.0
     #: a measured file's command, date and machine (empty for datasheet files)
     measured: dict[str, str] = field(default_factory=dict, compare=False)

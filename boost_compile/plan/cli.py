@@ -135,9 +135,7 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     if shown:
         first = shown[0]
         startup = (f"about {first.compile_s:.0f} s per rank, once per start and restart (one block graph: "
-                   "the blocks compile one by one)" if first.compile_s is not None and first.layout.tp == 1 else
-                   f"about {first.compile_s:.0f} s per rank, once per start and restart (a TP model compiles "
-                   "whole: it grows with the layers of a stage)" if first.compile_s is not None else
+                   "the blocks compile one by one)" if first.compile_s is not None else
                    f"not measured for {job.hardware.name} (its file has no cold_compile_s)")
         lines += ["", f"Startup of the first choice, the cold compile (empty Inductor cache): {startup}."]
         if first.overlap_s:

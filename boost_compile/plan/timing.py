@@ -140,16 +140,16 @@ def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s
     return -hw.dp_overlap * min(reduce_s * (layers - 1) / layers, hideable)
 
 
-def cold_compile(layers: int, tp: int, pp: int, hw: Hardware) -> float | None:
+def cold_compile(layers: int, tp: int, pp: int, hw: Hardware, unit: str = "block") -> float | None:
     """Seconds of one rank's cold compile before its first step (None: not measured for ``hw``).
 
-    Per block (no TP; pipeline stages too) one block graph, whatever the depth; a TP model
-    compiles whole, growing by ``cold_compile_per_layer_s`` for each layer its stage holds
+    Per block (boost-train's ``passes.unit=block``, under any tp and pp) one block graph,
+    whatever the depth (``parallelize_`` captures the first two blocks only); the whole model
+    (``unit="model"``) grows by ``cold_compile_per_layer_s`` for each layer its stage holds
     beyond two (the depth the per-block figure was measured from)."""
     if not hw.cold_compile_s:
         return None
-    if tp == 1:
+    if unit == "block":
         return hw.cold_compile_s
     stage = max(sm.stage_layers(layers, pp))
     return hw.cold_compile_s + hw.cold_compile_per_layer_s * max(0, stage - 2)
-

@@ -431,9 +431,11 @@ def test_cold_compile_per_rank():
     from boost_compile.plan.timing import cold_compile
 
     cpu = load_hardware("cpu")
-    assert cold_compile(2, 1, 1, cpu) == cold_compile(32, 1, 1, cpu) == cpu.cold_compile_s  # per block: flat
-    assert cold_compile(32, 2, 1, cpu) == pytest.approx(cpu.cold_compile_s + 30 * cpu.cold_compile_per_layer_s)
-    assert cold_compile(32, 2, 2, cpu) == pytest.approx(cpu.cold_compile_s + 14 * cpu.cold_compile_per_layer_s)
+    # per block (boost-train's default, tp and pp included): flat in depth
+    assert cold_compile(2, 1, 1, cpu) == cold_compile(32, 1, 1, cpu) == cold_compile(32, 2, 2, cpu) == cpu.cold_compile_s
+    # the whole model: each layer of a stage beyond two adds its share
+    assert cold_compile(32, 2, 1, cpu, "model") == pytest.approx(cpu.cold_compile_s + 30 * cpu.cold_compile_per_layer_s)
+    assert cold_compile(32, 2, 2, cpu, "model") == pytest.approx(cpu.cold_compile_s + 14 * cpu.cold_compile_per_layer_s)
     assert cold_compile(32, 1, 1, load_hardware("h200")) is None
 
 
