@@ -282,6 +282,13 @@ def is_compiled_module(module: Any) -> bool:
     return isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
 
 
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a plain ``torch.Tensor`` (the same data, still in the autograd graph), called
+    without the ``__torch_function__`` of its subclass."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.as_subclass(t, torch.Tensor)
+
+
 def original_module(module: Any) -> Any:
     """The module under a ``torch.compile`` wrapper (itself when not wrapped)."""
     return getattr(module, "_orig_mod", module)

@@ -3,24 +3,26 @@
 Compiled whole, ``tp_localize`` and ``tp_collectives`` turn the whole model's graph into this
 rank's program. Compiled per block (``compile_blocks``), each block's graph gets that treatment on
 its own, and the code around the blocks runs eagerly on the shards, with what the whole program
-would insert there done by module hooks:
+would insert there done by module hooks and by the blocks' compiled calls:
 
-    btp       embedding (cut on d)          -> already this rank's d-slice of the stream
-              tied embedding (whole)        -> its output sliced (scatter_to_tp)
+    btp       embedding (cut on d)          -> its output gathered: the code before the first
+                                               block sees the whole stream (a width it reads, a
+                                               dropout it draws are the one-process ones)
+              first block's call            -> the whole stream cut to this rank's d-slice
               each block                    -> compiled; its stream input and output marked as
                                                this rank's d-slice (tp_stream_in / tp_stream_out)
-              the module reading the stream
-              after the last block          -> its input gathered (gather_from_tp)
-    megatron  the stream is replicated: embedding and final norm run whole; each block's stream
-              input is guarded (tp_sentinel) so an eager call fails in one line
-    both      a vocabulary-parallel head    -> its input's gradient summed (copy_to_tp) and its
-                                               logits gathered (the eager loss sees them whole)
+              last block's call             -> its output gathered (a pipeline stage that
+                                               returns its slice keeps it)
+    megatron  the stream is replicated: the code around the blocks runs whole; each block's
+              stream input is guarded (tp_sentinel), so an eager call fails in one line
+    both      a vocabulary-parallel head    -> its input's gradient summed (copy_to_tp); its logits
+                                               this rank's slice (VocabShardedLogits): F.cross_entropy
+                                               on them is the vocabulary-parallel loss, any other op
+                                               gathers them first
 
-What the eager code does to the d-sharded stream before the first block (an embedding's sum,
-scaling, casts) must be the same on a slice as on the whole; anything else (a dropout, whose
-mask would repeat on every rank's slice, a norm, a view) is refused, naming the op, as is code
-that reads the stream outside any module. The facts come from the capture ``parallelize_``
-already makes (:func:`block_layout`); :func:`prepare_blocks` applies them.
+Code between two blocks would see a d-slice under btp and is refused, naming the op and its
+line. Where the hooks go comes from the capture ``parallelize_`` already makes
+(:func:`block_layout`); :func:`prepare_blocks` and :func:`enter_sliced` apply it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from boost_compile import _torch_compat as compat
 from boost_compile.analysis.fx_utils import module_block, module_path
 from boost_compile.distributed.collectives import (
     copy_to_tp,
@@ -41,7 +44,8 @@ from boost_compile.distributed.collectives import (
     tp_stream_in,
     tp_stream_out,
 )
-from boost_compile.distributed.shard import ParallelizeError
+from boost_compile.distributed.shard import ParallelizeError, VocabShard
+from boost_compile.distributed.vocab_logits import VocabShardedLogits
 
 
 @dataclass(frozen=True)
@@ -213,10 +217,9 @@ def enter_sliced(model: nn.Module, blocks: list[str]) -> None:
     if layout.plan != "btp":
         return
     for i, name in enumerate(blocks):
-        block = model.get_submodule(name)
-        if not isinstance(block._compiled_call_impl, _SlicedCall):
-            last = layout.gather_last and i == len(blocks) - 1
-            block._compiled_call_impl = _SlicedCall(block._compiled_call_impl, layout, last)
+        last = layout.gather_last and i == len(blocks) - 1
+        compat.wrap_compiled_call(model.get_submodule(name), lambda inner, last=last: (
+            inner if isinstance(inner, _SlicedCall) else _SlicedCall(inner, layout, last)))
 
 
 def prepare_blocks(model: nn.Module, blocks: list[str]) -> BlockLayout:
@@ -245,9 +248,10 @@ def prepare_blocks(model: nn.Module, blocks: list[str]) -> BlockLayout:
     for name, vocab in layout.heads:
         head = model.get_submodule(name)
         layout.handles.append(head.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], g), *args[1:])))
-        if not sliced_logits:
+        if not sliced_logits:  # the eager loss takes the slice (vocabulary-parallel), anything else gathers it
+            shard = VocabShard(g, world, rank, vocab)
             layout.handles.append(head.register_forward_hook(
-                lambda _m, _a, out, vocab=vocab: gather_from_tp(out, g, world, rank, -1, vocab)))
+                lambda _m, _a, out, shard=shard: VocabShardedLogits.wrap(out, shard)))
     sentinel = getattr(model, "_boost_sentinel_handle", None)
     if sentinel is not None:  # the eager code now runs on the shards, correctly
         sentinel.remove()

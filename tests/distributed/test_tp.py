@@ -94,6 +94,8 @@ BLOCK_SCENARIOS = {
     "cola-vanilla-block": ({"model": "tiny:4", "plan": "vanilla"}, 1),
     "cola-btp-vocab255-block": ({"model": "tiny:4:vocab255", "plan": "btp"}, 1),
     "cola-tied-btp-block": ({"model": "tiny:4:tied", "plan": "btp", "optim": "sgd"}, 1),
+    # Hugging Face's own loss (a shift, view(-1, V)) on the eager head's vocabulary slice
+    "hf-factorized-btp-vocab255-block": ({"model": "hf:vocab255", "plan": "btp"}, 2),
     "lax-btp-block": ({"model": "tiny-lax", "plan": "btp"}, 2),
     "cola-btp-ckpt-lowrank-block": ({"model": "tiny:4", "plan": "btp", "checkpoint": "lowrank", "steps": 1}, 1),
     "cola-btp-inductor-block": ({"model": "tiny:4", "plan": "btp", "inner": "inductor", "steps": 1}, 1),
@@ -114,6 +116,8 @@ DEEP_SCENARIOS = [
     {"name": "lax-btp-deep-block", "model": "tiny-lax::layers5", "plan": "btp", "whole_capture": True, "unit": "block",
      "steps": 1},
 ]
+#: VocabShardedLogits (distributed/vocab_logits.py) against the whole logits, two vocabularies
+VOCAB_LOGITS = [{"name": "vocab-logits", "vocab_logits": True}]
 #: Planted bugs the parity rule must reject (tp_worker.planted)
 PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1}]
 
@@ -125,7 +129,8 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tp")
     store, out = str(folder / "store"), str(folder / "results.json")
     blocks = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
-    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + DEEP_SCENARIOS + PLANTED, out), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + DEEP_SCENARIOS + VOCAB_LOGITS + PLANTED,
+                                  out), nprocs=2, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -166,6 +171,22 @@ def test_deep_models_are_sharded_from_their_first_blocks(results, name):
     assert r["checked"] < r["whole_capture"]["checked"]
     assert r["missing_grads"] == []
     assert_parity(r["parity"], r["dtype"], name)
+
+
+@pytest.mark.parametrize("vocab", [256, 255])
+def test_vocab_sharded_logits(results, vocab):
+    """The eager head's vocabulary slice (per block under TP): the reference models' and Hugging
+    Face's cross-entropy (view(-1, V) of the slice, a shift, ignore_index, sum, per row) take the
+    vocabulary-parallel loss and gather nothing; label smoothing, a softmax, the last token's
+    argmax gather the logits first. Every value and gradient is the whole logits' (fp32; a
+    vocabulary of 255 leaves a padded column on the second rank)."""
+    r = ok(results, "vocab-logits")
+    for name in ("reference", "hugging_face", "per_row", "label_smoothing", "softmax", "last_token"):
+        c = r[f"{name}/{vocab}"]
+        assert c["value"] <= 1e-5 * max(1.0, c["scale"]) and c["grad"] <= 1e-6, (name, c)
+        assert c["plain"], name  # the loss is a plain tensor
+        parallel = name in ("reference", "hugging_face", "per_row")
+        assert (c["vocab_parallel"], c["gather"] == 0) == (1 if parallel else 0, parallel), (name, c)
 
 
 def test_planted_bug_fails_the_rule(results):

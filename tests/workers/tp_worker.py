@@ -277,6 +277,64 @@ def bad_inputs() -> dict[str, str]:
     return out
 
 
+def vocab_logits_checks() -> dict[str, Any]:
+    """VocabShardedLogits against the whole logits: per loss or op, the largest difference of the
+    value and of the gradient (this rank's columns), and whether it took the vocabulary-parallel
+    loss or gathered the logits."""
+    import torch.nn.functional as F
+
+    import boost_compile.distributed.vocab_logits as vl
+    from boost_compile.distributed.collectives import local_size
+    from boost_compile.distributed.shard import VocabShard
+
+    group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
+    cases = {
+        "reference": lambda t, y, v: F.cross_entropy(t.flatten(0, 1).float(), y.flatten()),
+        "hugging_face": lambda t, y, v: F.cross_entropy(t[:, :-1, :].contiguous().view(-1, v).float(),
+                                                        y[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"),
+        "per_row": lambda t, y, v: (F.cross_entropy(t.reshape(-1, t.size(-1)), y.view(-1), reduction="none")
+                                    * torch.arange(10, dtype=t.dtype)).sum(),
+        "label_smoothing": lambda t, y, v: F.cross_entropy(t.flatten(0, 1), y.flatten(), label_smoothing=0.1),
+        "softmax": lambda t, y, v: (t.softmax(-1) * torch.arange(v, dtype=t.dtype)).sum(),
+        "last_token": lambda t, y, v: t[:, -1, :].logsumexp(-1).sum() + t[:, -1].argmax(-1).sum().to(t.dtype),
+    }
+    out: dict[str, Any] = {}
+    calls = {"vocab_parallel": 0, "gather": 0}
+    real_loss, real_gather = vl.vocab_parallel_cross_entropy, vl.gather_from_tp
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            calls[name] += 1
+            return fn(*a, **k)
+        return call
+
+    vl.vocab_parallel_cross_entropy, vl.gather_from_tp = counted("vocab_parallel", real_loss), counted("gather", real_gather)
+    try:
+        for vocab in (256, 255):
+            gen = torch.Generator().manual_seed(3)
+            whole = torch.randn(2, 5, vocab, generator=gen)
+            targets = torch.randint(0, vocab, (2, 5), generator=gen)
+            targets[0, 2] = -100
+            local = local_size(vocab, world)
+            padded = torch.cat([whole, whole.new_zeros(2, 5, local * world - vocab)], -1)
+            for name, loss_of in cases.items():
+                calls.update(vocab_parallel=0, gather=0)
+                ref = whole.clone().requires_grad_()
+                expected = loss_of(ref, targets, vocab)
+                expected.backward()
+                mine = padded[..., rank * local:(rank + 1) * local].clone().requires_grad_()
+                got = loss_of(vl.VocabShardedLogits.wrap(mine, VocabShard(group, world, rank, vocab)), targets, vocab)
+                got.backward()
+                ref_grad = torch.cat([ref.grad, ref.grad.new_zeros(2, 5, local * world - vocab)], -1)
+                out[f"{name}/{vocab}"] = {
+                    "value": float((got - expected).detach().abs().max()), "scale": float(expected.detach().abs().max()),
+                    "grad": float((mine.grad - ref_grad[..., rank * local:(rank + 1) * local]).abs().max()),
+                    "plain": type(got) is torch.Tensor, **calls}
+    finally:
+        vl.vocab_parallel_cross_entropy, vl.gather_from_tp = real_loss, real_gather
+    return out
+
+
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -288,7 +346,8 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
             # the pass reports come from the compile itself: a compile-cache hit would skip them
             with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
                 start = time.perf_counter()
-                results[key] = bad_inputs() if sc.get("bad_inputs") else scenario(sc)
+                results[key] = (bad_inputs() if sc.get("bad_inputs") else vocab_logits_checks() if sc.get("vocab_logits")
+                                else scenario(sc))
                 results[key]["seconds"] = round(time.perf_counter() - start, 2)  # what the fixture spends
         except Exception:  # noqa: BLE001 - reported to the test
             results[key] = {"error": traceback.format_exc()}

@@ -1,0 +1,136 @@
+"""Logits cut on the vocabulary, in eager code: the vocabulary-parallel loss outside compiled graphs.
+
+    logits = head(h)                          # [B, T, ceil(V/p)]: this rank's vocabulary slice
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                                              # -> vocab_parallel_cross_entropy (all-reduces of [N])
+    probs = logits.softmax(-1)                # any other op: the logits gathered whole first
+
+A model compiled block by block under btp or megatron runs its head and loss eagerly. Its
+vocabulary-parallel head returns :class:`VocabShardedLogits`, a tensor subclass holding this
+rank's slice: ops that leave the vocabulary dim alone (casts, ``flatten``/``view``/``reshape``
+of the other dims, indexing them) keep it sliced, ``F.cross_entropy`` with the default weights
+and no label smoothing becomes ``vocab_parallel_cross_entropy``, and every other op sees the
+logits gathered (``gather_from_tp``), so its result is the one-process one. ``.whole()`` gathers
+them explicitly. Its ``shape`` is the slice's: code that reads the vocabulary size from the
+logits sees ``ceil(V/p)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from boost_compile import _torch_compat as compat
+from boost_compile.distributed.collectives import gather_from_tp, vocab_parallel_cross_entropy
+from boost_compile.distributed.shard import VocabShard
+
+T = torch.Tensor
+#: read-only metadata, answered for the slice
+METADATA = {T.shape.__get__, T.dtype.__get__, T.device.__get__, T.requires_grad.__get__, T.grad_fn.__get__,
+            T.is_leaf.__get__, T.ndim.__get__, T.layout.__get__, T.dim, T.size, T.numel, T.is_floating_point,
+            T.is_contiguous, T.__len__, T.element_size, T.data_ptr}
+#: casts and copies that keep the vocabulary dim as it is
+CASTS = {T.float, T.double, T.half, T.bfloat16, T.contiguous, T.clone, T.detach}
+RESHAPES = {T.view, T.reshape, torch.reshape}
+FLATTENS = {T.flatten, torch.flatten}
+
+
+class VocabShardedLogits(torch.Tensor):
+    """This rank's vocabulary slice of a model's logits, in eager code (see the module docstring)."""
+
+    _boost_shard: VocabShard
+
+    @staticmethod
+    def wrap(local: torch.Tensor, shard: VocabShard) -> VocabShardedLogits:
+        out = local.as_subclass(VocabShardedLogits)
+        out._boost_shard = shard
+        return out
+
+    def whole(self) -> torch.Tensor:
+        """The logits with the whole vocabulary (an all-gather; padding dropped)."""
+        s = self._boost_shard
+        return gather_from_tp(compat.plain_tensor(self), s.group_name, s.world, s.rank, -1, s.vocab)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        x = args[0] if args and isinstance(args[0], cls) else None
+        if x is not None:
+            if func in METADATA:
+                return func(compat.plain_tensor(x), *args[1:], **kwargs)
+            kept = _keep(func, x, args[1:], kwargs)
+            if kept is not None:
+                return kept
+            if func is F.cross_entropy:
+                loss = _vocab_parallel_loss(x, args[1:], kwargs)
+                if loss is not None:
+                    return loss
+
+        def whole(a: Any) -> Any:
+            return a.whole() if isinstance(a, cls) else a
+
+        return func(*[whole(a) for a in args], **{k: whole(v) for k, v in kwargs.items()})
+
+
+def _rewrap(out: Any, shard: VocabShard) -> Any:
+    return VocabShardedLogits.wrap(out, shard) if isinstance(out, torch.Tensor) else out
+
+
+def _keep(func: Any, x: VocabShardedLogits, rest: tuple, kwargs: dict) -> Any:
+    """The op on the slice, still sliced, when it leaves the vocabulary dim alone; else None."""
+    shard, local = x._boost_shard, compat.plain_tensor(x)
+    last = local.dim() - 1
+    if func in CASTS and not rest and not kwargs:
+        return _rewrap(func(local), shard)
+    if func is T.to and _dtype_only(rest, kwargs):
+        return _rewrap(local.to(*rest, **kwargs), shard)
+    if func in FLATTENS:
+        start = rest[0] if rest else kwargs.get("start_dim", 0)
+        end = rest[1] if len(rest) > 1 else kwargs.get("end_dim", -1)
+        if end % local.dim() < last:
+            return _rewrap(func(local, start, end), shard)
+        return None
+    if func in RESHAPES and not kwargs:
+        shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else list(rest)
+        if shape and isinstance(shape[-1], int) and shape[-1] in (local.shape[-1], shard.vocab):
+            shape[-1] = local.shape[-1]  # the whole vocabulary, named by its size (view(-1, V)): this rank's part
+            return _rewrap(local.reshape(shape) if func is not T.view else local.view(shape), shard)
+        return None
+    if func is T.__getitem__ and len(rest) == 1 and _leaves_last(rest[0], local.dim()):
+        return _rewrap(local[rest[0]], shard)
+    return None
+
+
+def _dtype_only(rest: tuple, kwargs: dict) -> bool:
+    return (len(rest) == 1 and isinstance(rest[0], torch.dtype) and not kwargs) or (
+        not rest and set(kwargs) == {"dtype"})
+
+
+def _leaves_last(index: Any, ndim: int) -> bool:
+    """Whether ``t[index]`` keeps the last dim whole and last: indices of the other dims only."""
+    items = index if isinstance(index, tuple) else (index,)
+    if any(i is None or isinstance(i, (torch.Tensor, list, bool)) for i in items):
+        return False
+    if any(i is Ellipsis for i in items):  # t[..., :-1, :]: the dims after the ellipsis are the last ones
+        return items[-1] is Ellipsis or items[-1] == slice(None)
+    return len(items) < ndim or (len(items) == ndim and items[-1] == slice(None))
+
+
+def _vocab_parallel_loss(x: VocabShardedLogits, rest: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``F.cross_entropy(x, target, ...)`` as the vocabulary-parallel loss, when it has one."""
+    names = ("target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
+    given = dict(zip(names, rest, strict=False)) | kwargs
+    target = given.get("target")
+    if (x.dim() != 2 or not isinstance(target, torch.Tensor) or target.dim() != 1
+            or given.get("weight") is not None or given.get("size_average") is not None
+            or given.get("reduce") is not None or given.get("label_smoothing", 0.0) != 0.0
+            or given.get("reduction", "mean") not in ("mean", "sum", "none")):
+        return None
+    s = x._boost_shard
+    return vocab_parallel_cross_entropy(compat.plain_tensor(x), target, s.group_name, s.world, s.rank, s.vocab,
+                                        given.get("ignore_index", -100), given.get("reduction", "mean"))
+
+
+__all__ = ["VocabShardedLogits"]
