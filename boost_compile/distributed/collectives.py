@@ -145,7 +145,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: the global row maximum (all-reduce max of [N]), then one all-reduce of
     [N, 2]: each rank's sum of exponentials and the target's shifted logit (zero on
     the ranks that do not own it). Backward: softmax minus the one-hot target, on
-    each rank's own columns; it needs no collective.
+    each rank's own columns, from the forward's exponentials (fp32 logits) or recomputed
+    (bf16 logits, so that no fp32 copy of them is kept); it needs no collective.
     """
 
     @staticmethod
@@ -154,17 +155,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * local
         x = _masked_logits(logits, start, vocab)
         row_max = _all_reduce_op(x.amax(-1), "max", group_name)
-        shifted = x - row_max.unsqueeze(-1)
         owned = (target >= start) & (target < start + local)
         index = (target - start).clamp(0, local - 1)
-        picked = torch.where(owned, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
-        summed = _all_reduce_op(torch.stack([shifted.exp().sum(-1), picked], -1), "sum", group_name)
+        picked = torch.where(owned, x.gather(-1, index.unsqueeze(-1)).squeeze(-1) - row_max, 0.0)
+        exps = (x - row_max.unsqueeze(-1)).exp_()  # one [N, V/p] fp32 tensor
+        summed = _all_reduce_op(torch.stack([exps.sum(-1), picked], -1), "sum", group_name)
         sum_exp, target_logit = summed.unbind(-1)
         valid = target != ignore_index
         loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
-        # the collectives' own outputs are what backward reads: a partitioner that finds the
-        # forward recomputable from saved tensors then has no reason to repeat a collective
-        ctx.save_for_backward(logits, target, row_max, summed)
+        # backward reads the exponentials when they take no more memory than the logits (fp32
+        # logits), else recomputes them from the logits; either way the collectives' own outputs:
+        # a partitioner that finds the forward recomputable has no reason to repeat a collective
+        ctx.saved_exps, ctx.dtype = logits.dtype == torch.float32, logits.dtype
+        ctx.save_for_backward(exps if ctx.saved_exps else logits, target, row_max, summed)
         ctx.reduction, ctx.start, ctx.vocab, ctx.ignore_index = reduction, start, vocab, ignore_index
         if reduction == "none":
             return loss.to(logits.dtype)
@@ -175,9 +178,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        logits, target, row_max, summed = ctx.saved_tensors
-        local = logits.shape[-1]
-        probs = (_masked_logits(logits, ctx.start, ctx.vocab) - row_max.unsqueeze(-1)).exp() / summed[..., :1]
+        saved, target, row_max, summed = ctx.saved_tensors
+        local = saved.shape[-1]
         valid = target != ctx.ignore_index
         hit = valid & (target >= ctx.start) & (target < ctx.start + local)
         index = (target - ctx.start).clamp(0, local - 1)
@@ -189,9 +191,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             per_row = grad.expand(valid.shape)
         per_row = torch.where(valid, per_row, 0.0)
-        one_hot = torch.zeros_like(probs).scatter_(-1, index.unsqueeze(-1), hit.to(probs.dtype).unsqueeze(-1))
-        grad_logits = (probs - one_hot) * per_row.unsqueeze(-1)
-        return grad_logits.to(logits.dtype), None, None, None, None, None, None, None
+        # (softmax - one-hot(target)) * per_row, in one [N, V/p] tensor
+        scale = (per_row / summed[..., 0]).unsqueeze(-1)
+        if ctx.saved_exps:
+            grad_logits = saved * scale
+        else:
+            grad_logits = (_masked_logits(saved, ctx.start, ctx.vocab) - row_max.unsqueeze(-1)).exp_().mul_(scale)
+        grad_logits.scatter_add_(-1, index.unsqueeze(-1), torch.where(hit, -per_row, 0.0).unsqueeze(-1))
+        return grad_logits.to(ctx.dtype), None, None, None, None, None, None, None
 
 
 def _masked_logits(logits: torch.Tensor, start: int, vocab: int) -> torch.Tensor:
