@@ -17,6 +17,7 @@ the third) are reported, with the ratios per block / whole model and N layers / 
 ``--steady N``: instead, the steady forward+backward of the cola-60m model (its 32000-token
 vocabulary) with N layers, whole and per block in one process, their steps interleaved (25
 each, the median of the last 20): the two compiled forms side by side on the same machine state.
+``--steady N --tp 2``: the same with both sharded with btp over two gloo processes.
 """
 
 from __future__ import annotations
@@ -67,8 +68,33 @@ def _job(layers: int, unit: str, cache: Path, steps: int, extra: list[str], npro
             "steady_s": statistics.median(step_s) if step_s else None, "final_loss": summary["final_loss"]}
 
 
-def steady_interleaved(layers: int, steps: int = 25) -> str:
-    """The median step (s) of the whole model and of the per-block model, interleaved."""
+def steady_interleaved(layers: int, steps: int = 25, tp: int = 1) -> str:
+    """The median step (s) of the whole model and of the per-block model, interleaved; ``tp=2``:
+    both sharded with btp over two gloo processes (rank 0's medians)."""
+    if tp == 1:
+        med = _steady_medians(layers, steps, None)
+    else:
+        import torch.multiprocessing as mp
+
+        folder = Path(tempfile.mkdtemp(prefix="steady-tp-"))
+        mp.spawn(_steady_tp_worker, args=(tp, layers, steps, str(folder)), nprocs=tp, join=True)
+        med = json.loads((folder / "medians.json").read_text())
+        shutil.rmtree(folder, ignore_errors=True)
+    return f"| {layers} | {med['model']:.3f} | {med['block']:.3f} | {med['block'] / med['model']:.3f}x |"
+
+
+def _steady_tp_worker(rank: int, world: int, layers: int, steps: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    med = _steady_medians(layers, steps, dist.group.WORLD)
+    if rank == 0:
+        (Path(folder) / "medians.json").write_text(json.dumps(med))
+    dist.destroy_process_group()
+
+
+def _steady_medians(layers: int, steps: int, group: object) -> dict[str, float]:
     import time
 
     import torch
@@ -77,18 +103,20 @@ def steady_interleaved(layers: int, steps: int = 25) -> str:
     from boost_compile.models import Llama, LlamaConfig
 
     torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    vocab = LlamaConfig.preset("cola-60m").vocab_size
+    tokens, targets = (torch.randint(0, vocab, (2, 128), generator=gen) for _ in range(2))
     runs = {}
     for unit in ("model", "block"):
         torch.manual_seed(0)
         model = Llama(LlamaConfig.preset("cola-60m", n_layers=layers))
+        if group is not None:
+            bc.parallelize_(model, (tokens,), group, plan="btp")
         if unit == "block":
             bc.compile_blocks(model, {"inner": "inductor"})
             runs[unit] = (model, model)
         else:
             runs[unit] = (model, torch.compile(model, backend="boost", options={"inner": "inductor"}))
-    vocab = runs["model"][0].config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    tokens, targets = (torch.randint(0, vocab, (2, 128), generator=gen) for _ in range(2))
     times: dict[str, list[float]] = {unit: [] for unit in runs}
     for _ in range(steps):
         for unit, (model, fn) in runs.items():
@@ -96,8 +124,7 @@ def steady_interleaved(layers: int, steps: int = 25) -> str:
             fn(tokens, targets).backward()
             model.zero_grad(set_to_none=True)
             times[unit].append(time.perf_counter() - start)
-    med = {unit: statistics.median(t[5:]) for unit, t in times.items()}
-    return (f"| {layers} | {med['model']:.3f} | {med['block']:.3f} | {med['block'] / med['model']:.3f}x |")
+    return {unit: statistics.median(t[5:]) for unit, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", nargs="*", default=[])
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--steady", type=int, nargs="+", metavar="N", help="interleaved steady steps at N layers")
+    parser.add_argument("--tp", type=int, default=1, help="--steady: shard both with btp over this many processes")
     args = parser.parse_args(argv)
     if args.steady:
         print("| layers | whole model (s) | per block (s) | per block / whole |\n|---:|---:|---:|---:|")
         for layers in args.steady:
-            print(steady_interleaved(layers), flush=True)
+            print(steady_interleaved(layers, tp=args.tp), flush=True)
         return 0
     nproc = 2 if any(e.startswith("parallel=") and e.split("=", 1)[1] in ("tp2", "dp2") for e in args.extra) else 1
     results: dict[str, dict] = {}

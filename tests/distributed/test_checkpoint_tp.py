@@ -39,6 +39,9 @@ IRREGULAR = {
 }
 SAVE = ("passes=boost_aot_eager", "trainer.save_every=3")
 TP2 = (*SAVE, "parallel=tp2")
+#: how each model's TP2 run compiles: GPT-2 block by block (boost-train's default), the padded
+#: reference model whole (passes.unit=model), so both forms of a TP model train and resume here
+UNIT = {"fused": "block", "padded": "model"}
 
 
 def resume_from(checkpoint: Path) -> tuple[str, str]:
@@ -66,7 +69,9 @@ def runs(request, tmp_path_factory) -> Runs:
     name, overrides = request.param, MODELS[request.param]
     folder = tmp_path_factory.mktemp(name)
     references = train_references(overrides, folder / "references")
-    tp2 = torchrun(2, [*overrides, *TP2], folder / "tp2")
+    tp2 = torchrun(2, [*overrides, *TP2, f"passes.unit={UNIT[name]}"], folder / "tp2")
+    log = (folder / "tp2" / "train.log").read_text()
+    assert ("one by one" in log) == (UNIT[name] == "block"), log[-2000:]
     single = run(cfg_of(*overrides, *SAVE), folder / "single")
     return Runs(name, overrides, references, tp2, single)
 
@@ -123,7 +128,8 @@ def test_tp2_checkpoint_is_the_one_process_layout(runs):
 
 
 def test_tp2_checkpoint_resumes_exactly_on_tp2(runs, tmp_path):
-    resumed = torchrun(2, [*runs.overrides, *TP2, *resume_from(runs.checkpoint(runs.tp2))], tmp_path / "b")
+    resumed = torchrun(2, [*runs.overrides, *TP2, f"passes.unit={UNIT[runs.name]}", *resume_from(runs.checkpoint(runs.tp2))],
+                       tmp_path / "b")
     assert resumed["start_step"] == 3
     assert resumed["losses"] == pytest.approx(runs.tp2["losses"][3:], abs=1e-6, rel=0)
 
