@@ -278,9 +278,9 @@ def bad_inputs() -> dict[str, str]:
 
 
 def vocab_logits_checks() -> dict[str, Any]:
-    """VocabShardedLogits against the whole logits: per loss or op, the largest difference of the
-    value and of the gradient (this rank's columns), and whether it took the vocabulary-parallel
-    loss or gathered the logits."""
+    """VocabShardedLogits against the whole logits: per loss or op, the parity errors of the value
+    and of this rank's gradient columns (whole fp32 logits the eager run, fp64 the truth), the
+    padding column's gradient, and whether it took the vocabulary-parallel loss or gathered."""
     import torch.nn.functional as F
 
     import boost_compile.distributed.vocab_logits as vl
@@ -319,16 +319,21 @@ def vocab_logits_checks() -> dict[str, Any]:
             padded = torch.cat([whole, whole.new_zeros(2, 5, local * world - vocab)], -1)
             for name, loss_of in cases.items():
                 calls.update(vocab_parallel=0, gather=0)
-                ref = whole.clone().requires_grad_()
-                expected = loss_of(ref, targets, vocab)
-                expected.backward()
+                runs = {}
+                for kind, dtype in (("eager", torch.float32), ("truth", torch.float64)):  # whole logits
+                    logits = whole.detach().to(dtype).clone().requires_grad_()
+                    loss = loss_of(logits, targets, vocab)
+                    loss.backward()
+                    runs[kind] = (loss.detach(), logits.grad[..., rank * local:(rank + 1) * local])
                 mine = padded[..., rank * local:(rank + 1) * local].clone().requires_grad_()
                 got = loss_of(vl.VocabShardedLogits.wrap(mine, VocabShard(group, world, rank, vocab)), targets, vocab)
                 got.backward()
-                ref_grad = torch.cat([ref.grad, ref.grad.new_zeros(2, 5, local * world - vocab)], -1)
+                own = min(local, vocab - rank * local)  # this rank's real columns (the padding has no whole twin)
+                tested = {"loss": got.detach(), "grad": mine.grad[..., :own]}
+                eager, truth = ({"loss": r[0], "grad": r[1]} for r in (runs["eager"], runs["truth"]))
                 out[f"{name}/{vocab}"] = {
-                    "value": float((got - expected).detach().abs().max()), "scale": float(expected.detach().abs().max()),
-                    "grad": float((mine.grad - ref_grad[..., rank * local:(rank + 1) * local]).abs().max()),
+                    "parity": {q: error_pair({q: tested[q]}, {q: eager[q]}, {q: truth[q]}) for q in ("loss", "grad")},
+                    "padding_grad": float(mine.grad[..., own:].abs().max()) if own < local else 0.0,
                     "plain": type(got) is torch.Tensor, **calls}
     finally:
         vl.vocab_parallel_cross_entropy, vl.gather_from_tp = real_loss, real_gather
