@@ -255,7 +255,7 @@ def parallelize_(
     if shard_logits:
         _shard_logits(model, roles, specs, params, world, plan)
     if stream_io or shard_logits:  # a stage's markers change its program: capture the sharded stage
-        report.check = check_local_program(model, example_inputs, blocks=KEEP_BLOCKS)
+        report.check = check_local_program(model, example_inputs)
     else:
         report.check = check_captured(roles.view)
     log.info("%s; %s", report, report.check.line())
@@ -386,13 +386,12 @@ def check_captured(view: GraphView) -> Any:
     return TPLocalizePass(config).run(PassContext(gm, view.example_inputs, config, grad_enabled=True))
 
 
-def check_local_program(model: nn.Module, example_inputs: Sequence[Any], blocks: int | None = None) -> Any:
+def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
     """Capture the sharded model on ``example_inputs`` and run ``tp_localize`` on it now.
 
     A model whose rank program cannot be built (or would not match the unsharded
     graph's shapes) is refused here, before any step, with the pass's
     ParallelizeError; otherwise returns the pass's report (nodes checked, repairs).
-    ``blocks``: capture only the model's first blocks when it has more (``first_blocks``).
     """
     from boost_compile.config import BoostConfig
     from boost_compile.pass_manager import PassContext
@@ -406,28 +405,15 @@ def check_local_program(model: nn.Module, example_inputs: Sequence[Any], blocks:
         reports.append(TPLocalizePass(config).run(ctx))
         raise _Checked
 
-    def capture() -> None:
-        try:
-            with private_forward(model):
-                torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
-        except compat.backend_compiler_failed() as exc:
-            if isinstance(exc.inner_exception, ParallelizeError):
-                raise exc.inner_exception from None
-            if not isinstance(exc.inner_exception, _Checked):
-                raise
-
-    if blocks is not None:
-        try:
-            with first_blocks(model, blocks) as kept:
-                if kept is not None:
-                    capture()
-                    return reports[0]
-        except ParallelizeError:
+    try:
+        with private_forward(model):
+            torch.compile(model, backend=dry_run, dynamic=False)(*example_inputs)
+    except compat.backend_compiler_failed() as exc:
+        if isinstance(exc.inner_exception, ParallelizeError):
+            raise exc.inner_exception from None
+        if not isinstance(exc.inner_exception, _Checked):
             raise
-        except Exception as exc:  # noqa: BLE001 - the short capture failed: check the whole model
-            log.debug("parallelize_: the check of the first %d blocks failed (%s); checking the whole model", blocks, exc)
-    capture()
-    return reports[-1]
+    return reports[0]
 
 
 def _sentinel_hook(plan: str):

@@ -27,7 +27,7 @@ line. Where the hooks go comes from the capture ``parallelize_`` already makes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,8 +67,6 @@ class BlockLayout:
     heads: tuple[tuple[str, int], ...] = ()
     #: why the model cannot run block by block under this plan (None: it can)
     refusal: str | None = None
-    #: the hooks prepare_blocks registered, removed by nothing (kept for the record)
-    handles: list[Any] = field(default_factory=list, compare=False)
 
 
 def _target_name(node: fx.Node) -> str:
@@ -242,16 +240,14 @@ def prepare_blocks(model: nn.Module, blocks: list[str]) -> BlockLayout:
             block.__class__ = _marked_class(type(block), layout.world, layout.plan)
     g, world, rank = layout.group_name, layout.world, layout.rank
     for name in layout.sharded_embeddings:
-        layout.handles.append(model.get_submodule(name).register_forward_hook(
-            lambda _m, _a, out: gather_from_tp(out, g, world, rank)))
+        model.get_submodule(name).register_forward_hook(lambda _m, _a, out: gather_from_tp(out, g, world, rank))
     sliced_logits = getattr(model, "_boost_vocab_shard", None) is not None  # a last stage returns its slice
     for name, vocab in layout.heads:
         head = model.get_submodule(name)
-        layout.handles.append(head.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], g), *args[1:])))
+        head.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], g), *args[1:]))
         if not sliced_logits:  # the eager loss takes the slice (vocabulary-parallel), anything else gathers it
             shard = VocabShard(g, world, rank, vocab)
-            layout.handles.append(head.register_forward_hook(
-                lambda _m, _a, out, shard=shard: VocabShardedLogits.wrap(out, shard)))
+            head.register_forward_hook(lambda _m, _a, out, shard=shard: VocabShardedLogits.wrap(out, shard))
     sentinel = getattr(model, "_boost_sentinel_handle", None)
     if sentinel is not None:  # the eager code now runs on the shards, correctly
         sentinel.remove()
