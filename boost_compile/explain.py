@@ -171,6 +171,8 @@ class Explanation:
         if not any(r.details["collectives"] for r in census):
             return []
         layers = max(1, (len(g.view.residual_stream) - 1) // 2) if g.view is not None else 1
+        # a block compiled on its own (unit="block"): its modules are named from the block, all of it is inside
+        block_graph = self.blocks is not None and g.index in self.blocks
         lines = ["### Collectives", "", "| graph | kind | shape | dtype | bytes | from |", "|---|---|---|---|---:|---|"]
         for r in census:
             for c in r.details["collectives"]:
@@ -179,7 +181,7 @@ class Explanation:
         lines.append("")
         for r in census:
             reduce_bytes = sum(c["bytes"] or 0 for c in r.details["collectives"] if c["kind"] == "all_reduce")
-            outside = [c for c in r.details["collectives"] if not in_blocks(c.get("module") or "")]
+            outside = [] if block_graph else [c for c in r.details["collectives"] if not in_blocks(c.get("module") or "")]
             lines.append(
                 f"- {r.details['graph']}: {len(r.details['collectives'])} collectives, "
                 f"{r.details['total_bytes']:,} bytes; all-reduce bytes per layer ({layers} layers): {reduce_bytes // layers:,}"
@@ -320,9 +322,7 @@ def explain(
     backend = functools.partial(compile_graph, config=config, recorder=recorder)
     shared: dict[int, list[str]] | None = None
     if unit == "block":
-        import copy
-
-        model = copy.deepcopy(model)  # compiled in place: leave the user's model as it was
+        model = _copy_keeping_attributes(model)  # compiled in place: leave the user's model as it was
         shared = _attribute_blocks(model, recorder, backend)
         compiled = model
     else:
@@ -343,6 +343,18 @@ def explain(
     for p, g in zip(params, saved_grads, strict=True):
         p.grad = g
     return Explanation(config, recorder.graphs, pipeline_io(model, example_inputs, out), shared)
+
+
+def _copy_keeping_attributes(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` whose parameters keep their Python attributes: ``copy.deepcopy``
+    of an ``nn.Parameter`` drops them, and ``parallelize_`` keeps each shard's spec there."""
+    import copy
+
+    copied = copy.deepcopy(model)
+    theirs = dict(copied.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters(remove_duplicate=False):
+        theirs[name].__dict__.update(vars(param))
+    return copied
 
 
 def _attribute_blocks(model: torch.nn.Module, recorder: Recorder, backend: Any) -> dict[int, list[str]]:

@@ -90,7 +90,7 @@ STYLE_SCENARIOS = [
 #: of one class and shapes share one; LaX's first block, which receives no latents, has its own).
 BLOCK_SCENARIOS = {
     "dense-megatron-block": ({"model": "tiny-dense:4", "plan": "megatron"}, 1),
-    "cola-btp-block": ({"model": "tiny:4", "plan": "btp"}, 1),
+    "cola-btp-block": ({"model": "tiny:4", "plan": "btp", "explain_block": True}, 1),
     "cola-vanilla-block": ({"model": "tiny:4", "plan": "vanilla"}, 1),
     "cola-btp-vocab255-block": ({"model": "tiny:4:vocab255", "plan": "btp"}, 1),
     "cola-tied-btp-block": ({"model": "tiny:4:tied", "plan": "btp", "optim": "sgd"}, 1),
@@ -159,6 +159,22 @@ def test_block_by_block_matches_single_process(results, name):
     if BLOCK_SCENARIOS[name][0]["plan"] == "btp":  # the stream enters and leaves each block graph d-sharded
         (check, *_rest) = r["check"]["compile"]
         assert check["refused"] == 0
+
+
+def test_explain_per_block_under_tp(results):
+    """explain(unit="block") of a model sharded with btp (a copy that keeps every shard's spec): the
+    one block graph, shown once with both blocks that run it, is this rank's program (the check
+    refused nothing) and sends one layer's btp bytes, none of it counted outside the blocks."""
+    r = ok(results, "cola-btp-block")
+    shown, cfg = r["explain_block"], r["config"]
+    assert shown["blocks"] == {"0": ["layers.0", "layers.1"]} and shown["graphs"] == 1
+    text = shown["text"]
+    assert "Compiled once, run by 2 block(s): layers.0, layers.1" in text
+    assert "nodes checked against the unsharded graph" in text and ", 0 refused" in text
+    per_layer = T * (4 * cfg["rank_attn"] + 3 * cfg["rank_mlp"]) * FP32  # the [T, r] sums (test_btp_bytes_per_layer)
+    assert f"- forward: 4 collectives, {per_layer + 2 * T * FP32:,} bytes" in text  # and the two norm statistics
+    assert f"- backward: 4 collectives, {per_layer:,} bytes" in text
+    assert "outside the blocks" not in text
 
 
 @pytest.mark.parametrize("name", [s["name"] for s in DEEP_SCENARIOS])

@@ -185,6 +185,13 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
         for kind in ("forward", "backward")
     }
+    if sc.get("explain_block"):  # explain(unit="block") of the sharded model: each block graph once, with its blocks
+        torch._dynamo.reset()
+        other = copy.deepcopy(ref)
+        bc.parallelize_(other, (tokens,), dist.group.WORLD, plan=sc["plan"])
+        shown = bc.explain(other, tokens, tokens, options=config, unit="block")
+        out["explain_block"] = {"blocks": {str(i): names for i, names in (shown.blocks or {}).items()},
+                                "graphs": len(shown.graphs), "text": str(shown)}
     if full_capture is not None:  # the specs read from the first blocks against a capture of them all
         out["specs"] = {name: str(spec) for name, spec in report.specs.items()}
         out["whole_capture"] = full_capture
