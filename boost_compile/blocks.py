@@ -88,6 +88,7 @@ def compile_blocks(
     names = list(blocks) if blocks is not None else find_blocks(model)
     if not names:
         raise BlockCompileError("blocks=[] names no block to compile")
+    _warn_kv_cache(model, len(names))
     if tensor_parallel(model):
         _prepare_tensor_parallel(model, names, backend)
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
@@ -107,6 +108,18 @@ def compile_blocks(
              names[0], names[-1],
              backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__))
     return names
+
+
+def _warn_kv_cache(model: nn.Module, blocks: int) -> None:
+    """Log why a Hugging Face model that builds its KV cache compiles once per block, not once."""
+    if blocks > 1 and getattr(getattr(model, "config", None), "use_cache", None) is True:
+        from boost_compile import _torch_compat as compat
+
+        log.warning(
+            "%s: config.use_cache is True, so every forward builds a KV cache and each block's call guards on "
+            "its own layer index: every block compiles a graph of its own, and past Dynamo's recompile limit "
+            "(%d) the remaining blocks run eagerly, without the passes. Set model.config.use_cache = False "
+            "to train with one graph per kind of block", type(model).__name__, compat.dynamo_recompile_limit_value())
 
 
 def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any) -> None:

@@ -186,6 +186,32 @@ def test_identical_blocks_compile_once_whatever_the_depth(preset: str, graphs: i
         assert len(rec.graphs) == graphs, (preset, n_layers, len(rec.graphs))
 
 
+def test_a_hugging_face_kv_cache_is_named_as_why_each_block_compiles(caplog) -> None:
+    """config.use_cache=True: Hugging Face builds a KV cache every forward and each block's call
+    guards on its layer index, so each block compiles its own graph (eager past Dynamo's recompile
+    limit). compile_blocks logs that and the fix; with use_cache=False one graph, no warning."""
+    from conftest import tiny_hf_llama
+
+    graphs = {}
+    for use_cache in (True, False):
+        torch._dynamo.reset()
+        caplog.clear()
+        model = tiny_hf_llama()
+        model.config.use_cache = use_cache
+        rec, backend = _recorded({"inner": "aot_eager"})
+        with caplog.at_level("WARNING", logger="boost_compile.blocks"):
+            compile_blocks(model, backend=backend)
+        warned = [r.getMessage() for r in caplog.records if "use_cache" in r.getMessage()]
+        tokens, _ = _batch()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        graphs[use_cache] = len(rec.graphs)
+        assert bool(warned) == use_cache, warned
+        if use_cache:
+            assert "each block's call guards on its own layer index" in warned[0]
+            assert "model.config.use_cache = False" in warned[0]
+    assert graphs == {True: 2, False: 1}  # two blocks: a graph each with the cache, one without
+
+
 def test_each_pass_rewrites_inside_the_block():
     """Grouping and the RMSNorm rewrite find in the block graph what they find per block in the
     whole model's graph."""
