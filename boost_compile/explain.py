@@ -159,9 +159,10 @@ class Explanation:
         """What the forward keeps for the backward, per block (passes/saved_tensors.py)."""
         from boost_compile.passes.saved_tensors import saved_markdown
 
+        unnamed = "each block" if self.blocks is not None and g.index in self.blocks else "-"
         lines = []
         for r in g.partition_reports:
-            lines += ["### Saved for backward", "", *saved_markdown(r)]
+            lines += ["### Saved for backward", "", *saved_markdown(r, unnamed)]
         return lines
 
     def _collective_table(self, g: GraphRecord) -> list[str]:

@@ -203,8 +203,11 @@ def activation_bytes(report: PassReport) -> dict[str, int]:
     return out
 
 
-def saved_markdown(report: PassReport) -> list[str]:
-    """Markdown lines for ``explain``: per block, what is kept (name, shape, bytes) and recomputed."""
+def saved_markdown(report: PassReport, unnamed: str = "-") -> list[str]:
+    """Markdown lines for ``explain``: per block, what is kept (name, shape, bytes) and recomputed.
+
+    ``unnamed``: the block column of what no numbered block made ("-"; "each block" for a block
+    compiled on its own, whose modules are named from the block)."""
     details = report.details
     saved = [s for s in details.get("saved", []) if s["kind"] not in ("input", "symint")]
     per_block = activation_bytes(report)
@@ -221,7 +224,7 @@ def saved_markdown(report: PassReport) -> list[str]:
     for s in saved:
         alias = f" (view of {s['storage']})" if s["storage"] != s["name"] else ""
         lines.append(
-            f"| {s['block']} | {s['name']}{alias} | {s['shape']} | {s['dtype']} | {s['bytes']:,} "
+            f"| {unnamed if s['block'] == '-' else s['block']} | {s['name']}{alias} | {s['shape']} | {s['dtype']} | {s['bytes']:,} "
             f"| {s['kind']} | {s['role']} |"
         )
     lines += ["", "| block | bytes kept | recomputed in backward |", "|---|---:|---|"]
@@ -229,7 +232,7 @@ def saved_markdown(report: PassReport) -> list[str]:
     for block in sorted(set(per_block) | set(recomputed), key=_block_order):
         ops = recomputed.get(block, {})
         top = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])))
-        lines.append(f"| {block} | {per_block.get(block, 0):,} | {top or '-'} |")
+        lines.append(f"| {unnamed if block == '-' else block} | {per_block.get(block, 0):,} | {top or '-'} |")
     return lines + [""]
 
 

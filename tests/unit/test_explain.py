@@ -100,6 +100,8 @@ def test_per_block_shows_each_block_graph_once_with_its_blocks(tmp_path):
         assert len(group.rewritten) == 2  # one block's q/k/v and gate/up downs
         last = expected[len(expected) - 1]
         assert f"Compiled once, run by {len(last)} block(s): {', '.join(last)}" in str(report)
+        # the block graph's saved tensors are each block's (its modules are named from the block)
+        assert "| each block | " in str(report) and "\n| - | " not in str(report)
         assert compiled_blocks(model) == []
     data = json.loads((report.save(tmp_path / "lax") / "summary.json").read_text())
     assert data["blocks"] == {"0": ["layers.0"], "1": ["layers.1", "layers.2", "layers.3"]}
