@@ -90,7 +90,7 @@ def compile_blocks(
         raise BlockCompileError("blocks=[] names no block to compile")
     _warn_kv_cache(model, len(names))
     if tensor_parallel(model):
-        _prepare_tensor_parallel(model, names, backend)
+        _prepare_tensor_parallel(model, names, backend, options)
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)
@@ -122,7 +122,7 @@ def _warn_kv_cache(model: nn.Module, blocks: int) -> None:
             "to train with one graph per kind of block", type(model).__name__, compat.dynamo_recompile_limit_value())
 
 
-def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any) -> None:
+def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any, options: dict[str, Any] | None) -> None:
     """btp and megatron: mark the blocks and hook the code around them (vanilla needs nothing)."""
     from torch.distributed.tensor import DTensor
 
@@ -135,8 +135,12 @@ def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any) -
     if not (backend == "boost" or getattr(backend, "func", None) is _compile_graph()):
         raise BlockCompileError(f"a model parallelized with {plan!r} compiles only with the boost backend, which "
                                 "makes each block's graph this rank's program")
+    from boost_compile.config import BoostConfig
+
+    given = dict(options or {}) if backend == "boost" else backend.keywords.get("config")
+    config = given if isinstance(given, BoostConfig) else BoostConfig.from_options(given)
     try:
-        prepare_blocks(model, names)
+        prepare_blocks(model, names, config.inner)
     except ParallelizeError as exc:
         raise BlockCompileError(str(exc)) from None
 

@@ -43,6 +43,7 @@ from boost_compile.distributed.collectives import (
     tp_sentinel,
     tp_stream_in,
     tp_stream_out,
+    vocab_parallel_cross_entropy,
 )
 from boost_compile.distributed.shard import ParallelizeError, VocabShard
 from boost_compile.distributed.vocab_logits import VocabShardedLogits
@@ -220,8 +221,11 @@ def enter_sliced(model: nn.Module, blocks: list[str]) -> None:
             inner if isinstance(inner, _SlicedCall) else _SlicedCall(inner, layout, last)))
 
 
-def prepare_blocks(model: nn.Module, blocks: list[str]) -> BlockLayout:
+def prepare_blocks(model: nn.Module, blocks: list[str], inner: str = "eager") -> BlockLayout:
     """Make a model parallelized with btp or megatron run block by block (see the module docstring).
+
+    ``inner``: the blocks' inner compiler; with "inductor" the eager vocabulary-parallel loss is
+    compiled by Inductor too (fused, it reads this rank's logit slice once forward and once backward).
 
     Raises ParallelizeError when ``parallelize_`` found a construct the eager code cannot
     run on the shards (``BlockLayout.refusal``) or the model has no layout (parallelized by
@@ -242,12 +246,13 @@ def prepare_blocks(model: nn.Module, blocks: list[str]) -> BlockLayout:
     for name in layout.sharded_embeddings:
         model.get_submodule(name).register_forward_hook(lambda _m, _a, out: gather_from_tp(out, g, world, rank))
     sliced_logits = getattr(model, "_boost_vocab_shard", None) is not None  # a last stage returns its slice
+    loss = torch.compile(vocab_parallel_cross_entropy, backend="inductor") if inner == "inductor" else None
     for name, vocab in layout.heads:
         head = model.get_submodule(name)
         head.register_forward_pre_hook(lambda _m, args: (copy_to_tp(args[0], g), *args[1:]))
         if not sliced_logits:  # the eager loss takes the slice (vocabulary-parallel), anything else gathers it
             shard = VocabShard(g, world, rank, vocab)
-            head.register_forward_hook(lambda _m, _a, out, shard=shard: VocabShardedLogits.wrap(out, shard))
+            head.register_forward_hook(lambda _m, _a, out, shard=shard: VocabShardedLogits.wrap(out, shard, loss))
     sentinel = getattr(model, "_boost_sentinel_handle", None)
     if sentinel is not None:  # the eager code now runs on the shards, correctly
         sentinel.remove()

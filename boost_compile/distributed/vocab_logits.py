@@ -9,7 +9,8 @@ A model compiled block by block under btp or megatron runs its head and loss eag
 vocabulary-parallel head returns :class:`VocabShardedLogits`, a tensor subclass holding this
 rank's slice: ops that leave the vocabulary dim alone (casts, ``flatten``/``view``/``reshape``
 of the other dims, indexing them) keep it sliced, ``F.cross_entropy`` with the default weights
-and no label smoothing becomes ``vocab_parallel_cross_entropy``, and every other op sees the
+and no label smoothing becomes ``vocab_parallel_cross_entropy`` (compiled by Inductor when the
+blocks are, ``prepare_blocks``), and every other op sees the
 logits gathered (``gather_from_tp``), so its result is the one-process one. ``.whole()`` gathers
 them explicitly. Its ``shape`` is the slice's: code that reads the vocabulary size from the
 logits sees ``ceil(V/p)``.
@@ -17,6 +18,7 @@ logits sees ``ceil(V/p)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,11 +43,15 @@ class VocabShardedLogits(torch.Tensor):
     """This rank's vocabulary slice of a model's logits, in eager code (see the module docstring)."""
 
     _boost_shard: VocabShard
+    #: the vocabulary-parallel loss F.cross_entropy becomes (compiled by ``prepare_blocks`` with Inductor
+    #: when the blocks are: one pass over the slice instead of eager's five)
+    _boost_loss: Callable[..., torch.Tensor]
 
     @staticmethod
-    def wrap(local: torch.Tensor, shard: VocabShard) -> VocabShardedLogits:
+    def wrap(local: torch.Tensor, shard: VocabShard, loss: Callable[..., torch.Tensor] | None = None) -> VocabShardedLogits:
         out = local.as_subclass(VocabShardedLogits)
         out._boost_shard = shard
+        out._boost_loss = loss if loss is not None else vocab_parallel_cross_entropy
         return out
 
     def whole(self) -> torch.Tensor:
@@ -74,8 +80,8 @@ class VocabShardedLogits(torch.Tensor):
         return func(*[whole(a) for a in args], **{k: whole(v) for k, v in kwargs.items()})
 
 
-def _rewrap(out: Any, shard: VocabShard) -> Any:
-    return VocabShardedLogits.wrap(out, shard) if isinstance(out, torch.Tensor) else out
+def _rewrap(out: Any, like: VocabShardedLogits) -> Any:
+    return VocabShardedLogits.wrap(out, like._boost_shard, like._boost_loss) if isinstance(out, torch.Tensor) else out
 
 
 def _keep(func: Any, x: VocabShardedLogits, rest: tuple, kwargs: dict) -> Any:
@@ -83,23 +89,23 @@ def _keep(func: Any, x: VocabShardedLogits, rest: tuple, kwargs: dict) -> Any:
     shard, local = x._boost_shard, compat.plain_tensor(x)
     last = local.dim() - 1
     if func in CASTS and not rest and not kwargs:
-        return _rewrap(func(local), shard)
+        return _rewrap(func(local), x)
     if func is T.to and _dtype_only(rest, kwargs):
-        return _rewrap(local.to(*rest, **kwargs), shard)
+        return _rewrap(local.to(*rest, **kwargs), x)
     if func in FLATTENS:
         start = rest[0] if rest else kwargs.get("start_dim", 0)
         end = rest[1] if len(rest) > 1 else kwargs.get("end_dim", -1)
         if end % local.dim() < last:
-            return _rewrap(func(local, start, end), shard)
+            return _rewrap(func(local, start, end), x)
         return None
     if func in RESHAPES and not kwargs:
         shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else list(rest)
         if shape and isinstance(shape[-1], int) and shape[-1] in (local.shape[-1], shard.vocab):
             shape[-1] = local.shape[-1]  # the whole vocabulary, named by its size (view(-1, V)): this rank's part
-            return _rewrap(local.reshape(shape) if func is not T.view else local.view(shape), shard)
+            return _rewrap(local.reshape(shape) if func is not T.view else local.view(shape), x)
         return None
     if func is T.__getitem__ and len(rest) == 1 and _leaves_last(rest[0], local.dim()):
-        return _rewrap(local[rest[0]], shard)
+        return _rewrap(local[rest[0]], x)
     return None
 
 
@@ -129,8 +135,8 @@ def _vocab_parallel_loss(x: VocabShardedLogits, rest: tuple, kwargs: dict) -> to
             or given.get("reduction", "mean") not in ("mean", "sum", "none")):
         return None
     s = x._boost_shard
-    return vocab_parallel_cross_entropy(compat.plain_tensor(x), target, s.group_name, s.world, s.rank, s.vocab,
-                                        given.get("ignore_index", -100), given.get("reduction", "mean"))
+    return x._boost_loss(compat.plain_tensor(x), target, s.group_name, s.world, s.rank, s.vocab,
+                         given.get("ignore_index", -100), given.get("reduction", "mean"))
 
 
 __all__ = ["VocabShardedLogits"]

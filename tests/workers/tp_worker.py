@@ -122,6 +122,8 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
 
 def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
     ref, call = build(sc["model"])
+    if sc.get("unit") == "block" and getattr(getattr(ref, "config", None), "use_cache", None):
+        ref.config.use_cache = False  # as boost-train trains a Hugging Face model: one graph for its blocks
     ref_call = call
     dtype = getattr(torch, sc.get("dtype", "float32"))
     ref.to(dtype)
@@ -185,6 +187,14 @@ def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
         kind: [c for r in census if r.details["graph"] == kind for c in r.details["collectives"]]
         for kind in ("forward", "backward")
     }
+    layout = getattr(model, "_boost_block_layout", None)
+    if sc.get("unit") == "block" and layout is not None and layout.heads:  # the eager loss: compiled with the blocks' Inductor?
+        from boost_compile.distributed.collectives import vocab_parallel_cross_entropy
+
+        head = model.get_submodule(layout.heads[0][0])
+        with torch.no_grad():
+            loss_fn = head(torch.zeros(1, 1, head.weight.shape[1], dtype=dtype))._boost_loss
+        out["loss_compiled"] = loss_fn is not vocab_parallel_cross_entropy and loss_fn.__wrapped__ is vocab_parallel_cross_entropy
     if sc.get("explain_block"):  # explain(unit="block") of the sharded model: each block graph once, with its blocks
         torch._dynamo.reset()
         other = copy.deepcopy(ref)
