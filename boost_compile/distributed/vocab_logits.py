@@ -44,7 +44,7 @@ class VocabShardedLogits(torch.Tensor):
 
     _boost_shard: VocabShard
     #: the vocabulary-parallel loss F.cross_entropy becomes (compiled by ``prepare_blocks`` with Inductor
-    #: when the blocks are: one pass over the slice instead of eager's five)
+    #: when the blocks are: fused, it reads the slice once forward and once backward)
     _boost_loss: Callable[..., torch.Tensor]
 
     @staticmethod
