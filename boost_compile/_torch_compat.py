@@ -289,6 +289,14 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
         return torch.Tensor.as_subclass(t, torch.Tensor)
 
 
+def map_nested(fn: Any, tree: Any) -> Any:
+    """``fn`` applied to every leaf of nested lists, tuples and dicts (torch's pytree), e.g. the
+    arguments of a ``__torch_function__`` call (``torch.cat([a, b])``)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map(fn, tree)
+
+
 def original_module(module: Any) -> Any:
     """The module under a ``torch.compile`` wrapper (itself when not wrapped)."""
     return getattr(module, "_orig_mod", module)

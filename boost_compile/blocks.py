@@ -1,7 +1,7 @@
 """Compile a model block by block: each repeated block its own graph, one artifact for identical blocks.
 
     model.layers[i](h)      ->  model.layers[i] compiled in place (``nn.Module.compile``)
-    embedding, norm, head   ->  left eager
+    embedding, norm, head   ->  left eager; F.cross_entropy on the head's logits compiled (Inductor)
 
 Why per block (torchtitan's way) rather than the whole model as one graph:
 
@@ -15,7 +15,9 @@ Why per block (torchtitan's way) rather than the whole model as one graph:
 - every pass still sees a whole block: grouping, the RMSNorm rewrite, low-rank checkpointing.
 
 Compiling in place keeps parameter names (no ``_orig_mod.``), so optimizers, checkpoints and
-DDP see the same model. A tensor-parallel model compiles block by block too: under btp and
+DDP see the same model. When the blocks' code is compiled with Inductor, the loss on the output
+head's logits is too (``loss_logits.py``): eager, ``F.cross_entropy`` makes four passes over the
+step's largest tensor where the whole-model graph makes two. A tensor-parallel model compiles block by block too: under btp and
 megatron each block's graph becomes this rank's program with its collectives, and the code around
 the blocks runs eagerly on the shards with hooks where the whole program would gather or slice
 (``distributed/tp_blocks.py``); under vanilla the blocks' DTensors carry their own collectives.
@@ -91,6 +93,8 @@ def compile_blocks(
     _warn_kv_cache(model, len(names))
     if tensor_parallel(model):
         _prepare_tensor_parallel(model, names, backend, options)
+    elif _blocks_inner(backend, options) == "inductor":
+        _compile_head_loss(model, names)
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)
@@ -135,14 +139,62 @@ def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any, o
     if not (backend == "boost" or getattr(backend, "func", None) is _compile_graph()):
         raise BlockCompileError(f"a model parallelized with {plan!r} compiles only with the boost backend, which "
                                 "makes each block's graph this rank's program")
-    from boost_compile.config import BoostConfig
-
-    given = dict(options or {}) if backend == "boost" else backend.keywords.get("config")
-    config = given if isinstance(given, BoostConfig) else BoostConfig.from_options(given)
     try:
-        prepare_blocks(model, names, config.inner)
+        prepare_blocks(model, names, _blocks_inner(backend, options) or "eager")
     except ParallelizeError as exc:
         raise BlockCompileError(str(exc)) from None
+
+
+def _blocks_inner(backend: Any, options: dict[str, Any] | None) -> str | None:
+    """The compiler the blocks' code ends in: "inductor" for backend="inductor", boost's inner
+    compiler for boost (by name or a ``compile_graph`` partial), None for anything else."""
+    if backend == "inductor":
+        return "inductor"
+    from boost_compile.config import BoostConfig
+
+    if backend == "boost":
+        return BoostConfig.from_options(dict(options or {})).inner
+    if getattr(backend, "func", None) is _compile_graph():
+        given = backend.keywords.get("config")
+        return (given if isinstance(given, BoostConfig) else BoostConfig.from_options(given)).inner
+    return None
+
+
+def find_head(model: nn.Module, blocks: Sequence[str]) -> str | None:
+    """The name of ``model``'s output head: Hugging Face's ``get_output_embeddings()``, else the one
+    ``nn.Linear`` outside the blocks whose ``out_features`` is the size of an ``nn.Embedding``'s
+    vocabulary there. None when there is no such module or more than one."""
+    names = {id(m): n for n, m in model.named_modules()}
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get) and isinstance(out := get(), nn.Linear) and id(out) in names:
+        return names[id(out)]
+
+    def outside(name: str) -> bool:
+        return not any(name == b or name.startswith(b + ".") for b in blocks)
+
+    vocab = {m.num_embeddings for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n)}
+    heads = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and outside(n) and m.out_features in vocab]
+    return heads[0] if len(heads) == 1 else None
+
+
+def _compile_head_loss(model: nn.Module, blocks: Sequence[str]) -> None:
+    """Make the head's logits :class:`LossLogits`, whose ``F.cross_entropy`` is compiled with Inductor."""
+    import torch
+
+    from boost_compile.loss_logits import LossLogits, compiled_cross_entropy
+
+    name = find_head(model, blocks)
+    if name is None:
+        log.info("no output head found (an nn.Linear to the embedding's vocabulary outside the blocks): "
+                 "the loss runs eagerly")
+        return
+    head = model.get_submodule(name)
+    if getattr(head, "_boost_loss_hook", None) is not None:
+        return  # compiled block by block before: hooked already
+    loss = compiled_cross_entropy()
+    head._boost_loss_hook = head.register_forward_hook(
+        lambda _m, _a, out: LossLogits.wrap(out, loss) if type(out) is torch.Tensor else out)
+    log.info("F.cross_entropy on the logits of %s runs compiled with Inductor", name)
 
 
 def _compile_graph() -> Any:

@@ -27,16 +27,7 @@ import torch.nn.functional as F
 from boost_compile import _torch_compat as compat
 from boost_compile.distributed.collectives import gather_from_tp, vocab_parallel_cross_entropy
 from boost_compile.distributed.shard import VocabShard
-
-T = torch.Tensor
-#: read-only metadata, answered for the slice
-METADATA = {T.shape.__get__, T.dtype.__get__, T.device.__get__, T.requires_grad.__get__, T.grad_fn.__get__,
-            T.is_leaf.__get__, T.ndim.__get__, T.layout.__get__, T.dim, T.size, T.numel, T.is_floating_point,
-            T.is_contiguous, T.__len__, T.element_size, T.data_ptr}
-#: casts and copies that keep the vocabulary dim as it is
-CASTS = {T.float, T.double, T.half, T.bfloat16, T.contiguous, T.clone, T.detach}
-RESHAPES = {T.view, T.reshape, torch.reshape}
-FLATTENS = {T.flatten, torch.flatten}
+from boost_compile.loss_logits import METADATA, keep_last_dim
 
 
 class VocabShardedLogits(torch.Tensor):
@@ -77,7 +68,7 @@ class VocabShardedLogits(torch.Tensor):
         def whole(a: Any) -> Any:
             return a.whole() if isinstance(a, cls) else a
 
-        return func(*[whole(a) for a in args], **{k: whole(v) for k, v in kwargs.items()})
+        return func(*compat.map_nested(whole, args), **compat.map_nested(whole, kwargs))
 
 
 def _rewrap(out: Any, like: VocabShardedLogits) -> Any:
@@ -86,42 +77,8 @@ def _rewrap(out: Any, like: VocabShardedLogits) -> Any:
 
 def _keep(func: Any, x: VocabShardedLogits, rest: tuple, kwargs: dict) -> Any:
     """The op on the slice, still sliced, when it leaves the vocabulary dim alone; else None."""
-    shard, local = x._boost_shard, compat.plain_tensor(x)
-    last = local.dim() - 1
-    if func in CASTS and not rest and not kwargs:
-        return _rewrap(func(local), x)
-    if func is T.to and _dtype_only(rest, kwargs):
-        return _rewrap(local.to(*rest, **kwargs), x)
-    if func in FLATTENS:
-        start = rest[0] if rest else kwargs.get("start_dim", 0)
-        end = rest[1] if len(rest) > 1 else kwargs.get("end_dim", -1)
-        if end % local.dim() < last:
-            return _rewrap(func(local, start, end), x)
-        return None
-    if func in RESHAPES and not kwargs:
-        shape = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else list(rest)
-        if shape and isinstance(shape[-1], int) and shape[-1] in (local.shape[-1], shard.vocab):
-            shape[-1] = local.shape[-1]  # the whole vocabulary, named by its size (view(-1, V)): this rank's part
-            return _rewrap(local.reshape(shape) if func is not T.view else local.view(shape), x)
-        return None
-    if func is T.__getitem__ and len(rest) == 1 and _leaves_last(rest[0], local.dim()):
-        return _rewrap(local[rest[0]], x)
-    return None
-
-
-def _dtype_only(rest: tuple, kwargs: dict) -> bool:
-    return (len(rest) == 1 and isinstance(rest[0], torch.dtype) and not kwargs) or (
-        not rest and set(kwargs) == {"dtype"})
-
-
-def _leaves_last(index: Any, ndim: int) -> bool:
-    """Whether ``t[index]`` keeps the last dim whole and last: indices of the other dims only."""
-    items = index if isinstance(index, tuple) else (index,)
-    if any(i is None or isinstance(i, (torch.Tensor, list, bool)) for i in items):
-        return False
-    if any(i is Ellipsis for i in items):  # t[..., :-1, :]: the dims after the ellipsis are the last ones
-        return items[-1] is Ellipsis or items[-1] == slice(None)
-    return len(items) < ndim or (len(items) == ndim and items[-1] == slice(None))
+    kept = keep_last_dim(func, compat.plain_tensor(x), rest, kwargs, x._boost_shard.vocab)
+    return None if kept is None else _rewrap(kept, x)
 
 
 def _vocab_parallel_loss(x: VocabShardedLogits, rest: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ state dict unchanged, and the refusals (no blocks, a tensor-parallel model, a ba
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import assert_parity, check_against_eager, fp64_copy, step_errors
 from style_models import BLOCKS, STYLES
 from torch import nn
 
+import boost_compile.loss_logits as loss_logits
 from boost_compile import BlockCompileError, ConfigError, compile_blocks
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.blocks import compiled_blocks, find_blocks
@@ -138,13 +140,26 @@ def test_reference_model_parity_per_block(preset: str, checkpoint: str) -> None:
 
 @pytest.mark.slow
 def test_inductor_parity_per_block() -> None:
+    """The blocks and the loss on the eager head's logits (loss_logits.py) compiled with Inductor."""
     tokens, targets = _batch()
+    losses = []
+
+    def counted():
+        compiled = real()
+
+        def loss(*args, **kwargs):
+            losses.append(args[0].shape)
+            return compiled(*args, **kwargs)
+        return loss
 
     def compile_fn(m):
-        compile_blocks(m, {"inner": "inductor", "checkpoint": "lowrank"})
+        with mock.patch.object(loss_logits, "compiled_cross_entropy", counted):
+            compile_blocks(m, {"inner": "inductor", "checkpoint": "lowrank"})
         return m
 
+    real = loss_logits.compiled_cross_entropy
     check_against_eager(_model("tiny"), compile_fn, lambda m, _: m(tokens, targets), what="CoLA per block, inductor")
+    assert losses == [torch.Size([BATCH * SEQ, VOCAB])]
 
 
 #: the low-rank styles, and two dense ones (the rest differ from their low-rank twin only in the factors)

@@ -314,6 +314,8 @@ def vocab_logits_checks() -> dict[str, Any]:
         "label_smoothing": lambda t, y, v: F.cross_entropy(t.flatten(0, 1), y.flatten(), label_smoothing=0.1),
         "softmax": lambda t, y, v: (t.softmax(-1) * torch.arange(v, dtype=t.dtype)).sum(),
         "last_token": lambda t, y, v: t[:, -1, :].logsumexp(-1).sum() + t[:, -1].argmax(-1).sum().to(t.dtype),
+        # the logits inside a list (torch.cat's argument): gathered like any other op's
+        "concatenated": lambda t, y, v: (torch.cat([t, 2 * t[:, :1]], 1).logsumexp(-1) * torch.arange(6, dtype=t.dtype)).sum(),
     }
     out: dict[str, Any] = {}
     calls = {"vocab_parallel": 0, "gather": 0}
