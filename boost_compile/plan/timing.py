@@ -33,8 +33,10 @@ mode, ZeRO and a schedule; this module adds what each costs:
   scale model's data-parallel all-reduce (``dp_s``, priced after the backward) the hardware's
   ``dp_overlap`` share of what the backward can hide is taken off: everything but the
   bottom block's bucket (``dp_s / layers``), at most the backward of the blocks above it
-  (two thirds of the step's compute per layer, plus any recompute). Pipeline stages average
-  their gradients after the schedule: no overlap there.
+  (two thirds of the step's compute per layer, plus any recompute). Pipeline stages issue each
+  bucket during the schedule's backward once its gradients are final (``train/dp_buckets.py``):
+  there it hides behind the busiest stage's last micro-batch backward, one of the ``m + pp - 1``
+  stage slots of its critical path, above its bottom block.
 - **schedule**: GPipe and 1F1B have the same bubble (the scale model's
   ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
   rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
@@ -127,16 +129,21 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
         v = stages_per_rank
         stage_s = (pred.iteration_s - pred.optimizer_s - pred.dp_s - pred.p2p_s) / (m + pp - 1)
         schedule_s = -(pp - 1) * stage_s * (1 - 1 / v) + pred.p2p_s * (v - 1)
-    overlap_s = dp_overlap(pred, shape.layers, recompute_s, dp_internode_s, hw) if dp > 1 and pp == 1 else 0.0
+    # pipeline stages: the buckets go out during the busiest stage's last micro-batch backward
+    # (one of the m + pp - 1 stage slots on its critical path)
+    overlap_s = dp_overlap(pred, layers, recompute_s, dp_internode_s, hw, m + pp - 1 if pp > 1 else 1) if dp > 1 else 0.0
     total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s + overlap_s
     return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s)
 
 
-def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s: float, hw: Hardware) -> float:
-    """Seconds (<= 0) of the data-parallel all-reduce hidden behind a per-block backward (see above)."""
+def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s: float, hw: Hardware,
+               slots: int = 1) -> float:
+    """Seconds (<= 0) of the data-parallel all-reduce hidden behind a per-block backward (see above);
+    ``layers``: the busiest stage's, ``slots``: the stage slots on its critical path (pipeline
+    stages: ``m + pp - 1``, of which only the last micro-batch's backward can hide the reduction)."""
     reduce_s = pred.dp_s + internode_s
     compute_s = pred.gemm_s + pred.attention_s + pred.elementwise_s
-    hideable = (2 / 3 * compute_s + recompute_s) * (layers - 1) / layers
+    hideable = (2 / 3 * compute_s + recompute_s) / slots * (layers - 1) / layers
     return -hw.dp_overlap * min(reduce_s * (layers - 1) / layers, hideable)
 
 

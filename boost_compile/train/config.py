@@ -140,9 +140,11 @@ class ParallelConfig:
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""
     bucket_mb: float = 25.0
-    """DDP's gradient bucket in MiB (``bucket_cap_mb``). A bucket is all-reduced as soon as all
-    its gradients are ready: compiled per block, as the blocks' backwards end one by one, so a
-    smaller bucket starts earlier and a larger one pays fewer collective latencies."""
+    """DDP's gradient bucket in MiB (``bucket_cap_mb``), and the pipeline stages' (``pp > 1``,
+    ``train/dp_buckets.py``). A bucket is all-reduced as soon as all its gradients are ready:
+    compiled per block, as the blocks' backwards end one by one (with pipeline stages, in each
+    stage's last micro-batch), so a smaller bucket starts earlier and a larger one pays fewer
+    collective latencies."""
     layout: Annotated[str, Literal["manual", "auto"]] = "manual"
     """``auto`` (``parallel=auto``): the layout planner (:mod:`boost_compile.plan`) chooses tp, pp,
     dp, zero, microbatches, pp_schedule, stages_per_rank, plan and ``passes.options.checkpoint``

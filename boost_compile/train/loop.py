@@ -206,7 +206,7 @@ class Trainer:
             self.memory_report.bind(parts.model, self.optimizer)
             self._describe(parts.model, parts.total_params)
             step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast,
-                                      tc.trainer.micro_steps(dev.dp))
+                                      tc.trainer.micro_steps(dev.dp), bucket_mb=tc.parallel.bucket_mb)
             return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:

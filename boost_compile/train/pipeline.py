@@ -10,8 +10,9 @@ stages is ``[mb, s, d/tp]``), and compiles each stage like the one-process path
 compiles the model. A training step is ``pipeline_step`` on the schedule, then:
 
 * data parallelism (``dp > 1``): the stage gradients are averaged over the dp
-  group with one all-reduce per dtype after the schedule's backward. DDP cannot
-  wrap the stages here: ``build_schedule`` takes the modules ``split_model``
+  group in buckets of ``parallel.bucket_mb``, each all-reduce issued during the
+  schedule's backward as soon as its gradients are final (``dp_buckets.py``). DDP
+  cannot wrap the stages here: ``build_schedule`` takes the modules ``split_model``
   made (optionally compiled), and PyTorch's ``PipelineStage`` would need the DDP
   module itself to drive its reducer micro-batch by micro-batch;
 * gradient clipping (:func:`~boost_compile.train.step.clip_grad_norm`): TP
@@ -248,7 +249,7 @@ def build_pipeline_parts(
     try:
         schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss,
                                   example, batch_size=local_batch, device=dev.device,
-                                  scale_grads=tr.micro_steps(dev.dp) == 1)
+                                  scale_grads=tr.micro_steps(dev.dp) == 1 and dev.dp == 1)
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp_schedule={par.pp_schedule}: {exc}") from exc
     for i, stage in zip(indices, stages, strict=True):
@@ -263,24 +264,6 @@ def build_pipeline_parts(
     )
 
 
-def average_over_dp(params: Sequence[torch.Tensor], dev: Dist) -> None:
-    """Average the gradients of ``params`` over the dp group, one flat all-reduce per dtype."""
-    if dev.dp == 1:
-        return
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=dev.group("dp"))
-        flat /= dev.dp
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
 def make_pipeline_step(
     parts: PipelineParts,
     optimizer: torch.optim.Optimizer,
@@ -289,29 +272,38 @@ def make_pipeline_step(
     dev: Dist,
     autocast: Callable[[], Any],
     micro_steps: int = 1,
+    bucket_mb: float = 25.0,
 ) -> StepFn:
     """``step(inputs, targets)`` through the pipeline; returns a :class:`~boost_compile.train.step.StepOutput`.
 
     With ``micro_steps > 1`` (``trainer.local_batch``) the batch runs through the schedule as
     that many slices; the schedule was built without ``scale_grads``, so the gradients add up
-    over every slice's micro-batches and are divided once, by their number, before the one
-    reduction over dp.
+    over every slice's micro-batches and are divided once, by their number. With ``dp > 1`` the
+    schedule never scales them: :class:`~boost_compile.train.dp_buckets.BucketedDpAverage`
+    all-reduces them in buckets of ``bucket_mb`` MiB during the backward and divides the sums
+    by the dp ranks and micro-batches once.
     """
     from boost_compile.distributed.pipeline import pipeline_step
+    from boost_compile.train.dp_buckets import BucketedDpAverage
 
     params = list(parts.model.parameters())
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
+    average = BucketedDpAverage(list(parts.model.named_parameters()), dev.group("dp"), dev.dp,
+                                bucket_mb) if dev.dp > 1 else None
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         slices = zip(inputs.chunk(micro_steps), targets.chunk(micro_steps), strict=True)
+        if average is not None:
+            average.begin()
         with autocast():
             losses = [pipeline_step(parts.schedule, x, y) for x, y in slices]
-        if micro_steps > 1:
+        if average is not None:
+            average.finish(micro_steps * parts.schedule._n_microbatches)
+        elif micro_steps > 1:
             scale = micro_steps * parts.schedule._n_microbatches
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(scale)
-        average_over_dp(params, dev)
         loss = None if losses[0] is None else (losses[0] if micro_steps == 1 else torch.stack(losses).mean())
         value = loss.float() if loss is not None else torch.zeros((), device=dev.device)
         return tail(lambda: dev.sum_over_pp(dev.mean_over_dp(value)))

@@ -197,9 +197,9 @@ def test_vocab_sharded_logits(results, vocab):
     """The eager head's vocabulary slice (per block under TP): the reference models' and Hugging
     Face's cross-entropy (view(-1, V) of the slice, a shift, ignore_index, sum, per row) take the
     vocabulary-parallel loss and gather nothing; label smoothing, a softmax, the last token's
-    argmax and a concatenation (logits inside torch.cat's list) gather the logits first. Every value and gradient follows the parity rule against the
-    whole logits in fp64 (a vocabulary of 255 leaves a padded column on the second rank, whose
-    gradient is zero)."""
+    argmax and a concatenation (logits inside torch.cat's list) gather the logits first. Every
+    value and gradient follows the parity rule against the whole logits in fp64 (a vocabulary of
+    255 leaves a padded column on the second rank, whose gradient is zero)."""
     r = ok(results, "vocab-logits")
     for name in ("reference", "hugging_face", "per_row", "label_smoothing", "softmax", "last_token", "concatenated"):
         c = r[f"{name}/{vocab}"]

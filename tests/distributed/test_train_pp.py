@@ -10,6 +10,7 @@ within the parity rule.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -64,11 +65,15 @@ def test_pp2_gradient_accumulation_matches_single_process(references4l, tmp_path
 
 def test_pp2_dp2_zero1_matches_single_process(references4l, tmp_path):
     """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1), the
-    blocks cut unevenly by hand (1 + 3)."""
+    blocks cut unevenly by hand (1 + 3); each stage's gradients averaged over dp in buckets of 16 KiB,
+    issued during the schedule's backward from the second step on (train/dp_buckets.py)."""
     pp = torchrun(4, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.dp=2", "parallel.zero=1",
-                      "parallel.layers_per_stage=[1,3]"], tmp_path / "ppdp")
+                      "parallel.layers_per_stage=[1,3]", "parallel.bucket_mb=0.015625"], tmp_path / "ppdp")
     assert pp["world"] == 4
-    assert "pipeline stage 0/2 on pp rank 0: blocks [0] + embedding" in (tmp_path / "ppdp" / "train.log").read_text()
+    log = (tmp_path / "ppdp" / "train.log").read_text()
+    assert "pipeline stage 0/2 on pp rank 0: blocks [0] + embedding" in log
+    issued = re.search(r"gradient average over dp: (\d+) of (\d+) buckets issued during the backward", log)
+    assert issued and int(issued[1]) == int(issued[2]) >= 2, log[-3000:]
     assert_train_parity(pp, references4l, "pp2 x dp2, zero=1")
 
 
