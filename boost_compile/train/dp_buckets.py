@@ -34,16 +34,15 @@ def cut_buckets(params: Sequence[torch.Tensor], bucket_mb: float) -> list[list[t
     a parameter larger than that is a bucket of its own)."""
     cap = bucket_mb * 2**20
     buckets: list[list[torch.Tensor]] = []
-    open_by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[float]]] = {}
+    filling: dict[torch.dtype, tuple[list[torch.Tensor], float]] = {}  # the open bucket of each dtype, its bytes
     for p in reversed(params):
         size = p.numel() * p.element_size()
-        bucket, used = open_by_dtype.get(p.dtype, (None, [0.0]))
-        if bucket is None or (bucket and used[0] + size > cap):
-            bucket, used = [], [0.0]
+        bucket, used = filling.get(p.dtype, (None, 0.0))
+        if bucket is None or used + size > cap:
+            bucket, used = [], 0.0
             buckets.append(bucket)
-            open_by_dtype[p.dtype] = (bucket, used)
         bucket.append(p)
-        used[0] += size
+        filling[p.dtype] = (bucket, used + size)
     return buckets
 
 

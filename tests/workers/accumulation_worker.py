@@ -3,14 +3,13 @@
 buckets it all-reduces, per optimizer step, with and without accumulation."""
 
 import contextlib
-import datetime
 import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from conftest import cfg_of
-from scenario_runner import run_scenarios
+from scenario_runner import run_on_gloo
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from boost_compile.train.loop import make_train_step
@@ -50,7 +49,4 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
 
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    run_scenarios(rank, world, scenarios, result_path, scenario)
+    run_on_gloo(rank, world, store, scenarios, result_path, scenario)

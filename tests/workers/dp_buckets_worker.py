@@ -12,13 +12,12 @@ once more than in the first step."""
 from __future__ import annotations
 
 import copy
-import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from conftest import error_pair, fp64_copy, grads
-from scenario_runner import run_scenarios
+from scenario_runner import run_on_gloo
 
 from boost_compile.train.dp_buckets import BucketedDpAverage
 
@@ -85,7 +84,4 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    torch.set_num_threads(1)
-    run_scenarios(rank, world, scenarios, result_path, scenario)
+    run_on_gloo(rank, world, store, scenarios, result_path, scenario, timeout_s=60)

@@ -3,6 +3,7 @@ ranks' results, one dict each, as JSON for the test to read."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import traceback
@@ -22,6 +23,16 @@ def spawn_scenarios(worker: Callable[..., None], world: int, scenarios: list[dic
     store, out = str(folder / "store"), folder / "results.json"
     mp.spawn(worker, args=(world, store, scenarios, str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())  # one dict per rank
+
+
+def run_on_gloo(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str,
+                run: Callable[[dict[str, Any]], dict[str, Any]], timeout_s: int = 120) -> None:
+    """Join the gloo group of ``world`` ranks at ``store`` (a collective that waits past ``timeout_s``
+    fails instead of hanging the other rank), one intra-op thread, then :func:`run_scenarios`."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+    run_scenarios(rank, world, scenarios, result_path, run)
 
 
 def run_scenarios(rank: int, world: int, scenarios: list[dict[str, Any]], result_path: str,

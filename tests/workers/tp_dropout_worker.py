@@ -10,14 +10,13 @@ rank-local dropout sites."""
 
 from __future__ import annotations
 
-import datetime
 import functools
 import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from scenario_runner import run_scenarios
+from scenario_runner import run_on_gloo
 from style_models import GPT, GPTConfig, _factorize, nanogpt_loss
 
 import boost_compile as bc
@@ -89,7 +88,4 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    torch.set_num_threads(1)
-    run_scenarios(rank, world, scenarios, result_path, scenario)
+    run_on_gloo(rank, world, store, scenarios, result_path, scenario)
