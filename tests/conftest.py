@@ -209,6 +209,15 @@ def pytest_configure(config) -> None:
         os.environ["BOOST_PARITY_DIR"] = tempfile.mkdtemp(prefix="boost-parity-")
 
 
+def pytest_unconfigure(config) -> None:
+    """The controller removes that folder once the summary has been written."""
+    folder = os.environ.get("BOOST_PARITY_DIR")
+    if folder and not hasattr(config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _record(what: str, dtype: torch.dtype, ratio: float) -> None:
     import json
 
