@@ -423,6 +423,18 @@ def train_references(overrides: Sequence[str], folder: Path) -> tuple[dict, dict
             run(cfg_of(*base, "trainer.precision=fp64"), folder / "fp64"))
 
 
+def rng_states(checkpoint: Path) -> dict[int, torch.Tensor]:
+    """torch's default generator state each rank saved in a boost-train checkpoint, by rank."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(checkpoint, Path(folder) / "whole.pt")
+        saved = torch.load(Path(folder) / "whole.pt", weights_only=False)
+    return {int(key.removeprefix("rank")): state["torch"] for key, state in saved["rng"].items()}
+
+
 def grad_norms(summary: dict) -> list[float]:
     """The gradient norm (before clipping) of each step of a boost-train run, from metrics.jsonl."""
     from boost_compile.train.metrics import read_metrics

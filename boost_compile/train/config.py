@@ -321,7 +321,8 @@ class TrainerConfig:
     """fp32, bf16-mixed (autocast), bf16-true (bf16 weights) or fp64 (float64 weights and
     compute: the reference a parity check measures fp32 runs against)."""
     seed: int = 0
-    """Seeds the weights and the data order."""
+    """Seeds the weights and the data order (the same on every rank), and, derived per data-parallel
+    replica and pipeline stage, their dropout (train/replica_streams.py)."""
     device: Annotated[str, Literal["auto", "cpu", "cuda"]] = "auto"
     """Where to train (``auto``: CUDA when there is one)."""
     threads: int | None = None

@@ -45,6 +45,7 @@ from boost_compile.train.metrics import (
 from boost_compile.train.model import fit_vocab
 from boost_compile.train.optim import make_optimizer
 from boost_compile.train.parallel import Dist, ModelParts, attempt, build_model_parts, global_numel
+from boost_compile.train.replica_streams import seed_replica
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.utilization import Utilization, utilization
 from boost_compile.train.validate import ModelShape, boost_options
@@ -210,8 +211,10 @@ class Trainer:
             return self.train(step, train_data, val_data, parts.eval_fn)
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
-        """Optimizer, schedule and checkpointer over ``model``; restore them when resuming."""
+        """Each replica's and stage's own random stream (replica_streams.py), then the optimizer,
+        schedule and checkpointer over ``model``; restore them when resuming."""
         tc = self.tc
+        seed_replica(tc.trainer.seed, self.dev.dp_rank, self.dev.pp_rank)
         zero_group = self.dev.group("dp") if tc.parallel.zero else None
         self.optimizer, self.scheduler = make_optimizer(model, tc.optim, tc.trainer.steps, zero_group)
         ckpt_dir = checkpoint_dir(tc.checkpoint, self.run_dir)

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_references
+import torch
+from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, run
@@ -51,7 +52,11 @@ def test_dp2_matches_single_process(ddp, references):
     assert_train_parity(ddp, references, "dp2")
     assert "compiled 2 blocks one by one" in (Path(ddp["run_dir"]) / "train.log").read_text()  # passes.unit=block
     # one DCP checkpoint, written by both ranks
-    assert find_checkpoint(Path(ddp["run_dir"]) / "checkpoints").name == "step_000006"
+    checkpoint = find_checkpoint(Path(ddp["run_dir"]) / "checkpoints")
+    assert checkpoint.name == "step_000006"
+    # each replica draws its own random numbers (its own dropout masks): two generator states
+    states = rng_states(checkpoint)
+    assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
 
 
 def test_dp2_whole_model_matches_single_process(references, tmp_path):
@@ -79,6 +84,9 @@ def test_tp2_matches_single_process_and_resumes(references, tmp_path):
         tmp_path / "tp2b",
     )
     assert resumed["losses"] == pytest.approx(tp2["losses"][3:], abs=1e-6, rel=0)
+    # the two TP ranks of one replica draw from one stream (one mask for a replicated activation)
+    states = rng_states(checkpoint)
+    assert sorted(states) == [0, 1] and torch.equal(states[0], states[1])
 
 
 def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, zero, references):

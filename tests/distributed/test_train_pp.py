@@ -14,7 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_references
+import torch
+from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
 
 from boost_compile.train import find_checkpoint, run
 
@@ -114,6 +115,11 @@ def test_pp2_tp2_matches_single_process_and_resumes(references20, tmp_path):
         for key in (f"model.{name}", f"optim.state.{name}.exp_avg"):
             assert len(meta[key].chunks) == 2, key
     assert tuple(meta["model.layers.1.mlp.gate_proj.up.weight"].size) == (176, 16)
+    # ranks 0, 1 (stage 0) draw from one stream, ranks 2, 3 (stage 1) from another: a stage's
+    # dropout masks are not the stage before it's
+    states = rng_states(checkpoint)
+    assert torch.equal(states[0], states[1]) and torch.equal(states[2], states[3])
+    assert not torch.equal(states[0], states[2])
     resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
     resumed = torchrun(4, [*BASE, *ckpt, "parallel.pp=2", "parallel.tp=2", *resume], tmp_path / "b")
     assert resumed["start_step"] == 10 and resumed["steps"] == 20
