@@ -141,3 +141,24 @@ def test_style_models_route_their_loss_and_keep_parity(name: str) -> None:
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     check_against_eager(model, hooked, lambda m, _: loss_fn(m, tokens), what=f"{name}, the hooked loss")
     assert len(spy.calls) == (0 if name in EAGER_LOSS else 1), len(spy.calls)
+
+
+def test_a_loss_the_user_compiles_takes_the_logits() -> None:
+    """The hooked logits passed to the user's own ``torch.compile``d loss: Dynamo traces through the
+    wrapper (the cross-entropy still routed to the compiled loss) and the numbers follow the rule."""
+    spy = Spy()
+
+    def hooked(m):
+        with mock.patch.object(loss_logits, "compiled_cross_entropy", lambda: spy):
+            _compile_head_loss(m, find_blocks(m))
+        return m
+
+    @torch.compile(backend="aot_eager")
+    def user_loss(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + 0.01 * logits.float().pow(2).mean()
+
+    gen = torch.Generator().manual_seed(2)
+    tokens, targets = torch.randint(0, 256, (2, 2, 16), generator=gen)
+    model = Llama(LlamaConfig.preset("tiny"))
+    check_against_eager(model, hooked, lambda m, _: user_loss(m(tokens), targets), what="a compiled user loss")
+    assert len(spy.calls) == 1
