@@ -11,7 +11,9 @@ cache (``TORCHINDUCTOR_CACHE_DIR``, a new folder per job). Warm: the same job ag
 the cold run left (a restart after a fault). The start (summary.json's ``setup_s``: building,
 sharding and wrapping the model, where ``parallelize_`` captures the whole model under tp; plus
 ``first_step_s``: capture, compile and the step) and the steady step (median of the steps after
-the third) are reported, with the ratios per block / whole model and N layers / 2 layers.
+the third) are reported, with the ratios per block / whole model and N layers / 2 layers. A
+second table gives the warm first step alone and that step less one steady step: what a restart
+spends beyond the step's own compute, which grows with depth whatever compiles it.
 ``--extra`` adds overrides to every job (``parallel=tp2`` runs under torchrun with 2 ranks).
 
 ``--steady N``: instead, the steady forward+backward of the cola-60m model (its 32000-token
@@ -170,6 +172,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {layers} | {unit} | {cold:.1f} | {r['cold']['setup_s']:.1f} | {vs_whole} "
                   f"| {cold / first['cold']['start_s']:.2f}x | {warm:.1f} | {warm / first['warm']['start_s']:.2f}x "
                   f"| {r['cold']['steady_s']:.3f} | {steady_vs} |")
+    # the warm first step holds one step of compute, which grows with depth whatever compiles
+    # it: less one steady step, what is left is the restart's own work (capture, compile, loads)
+    print("\nthe warm restart's first step (s), and that step less one steady step\n")
+    print("| layers | unit | warm first step | vs 2 layers | steady step | first step - steady | vs 2 layers |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for layers in args.layers:
+        for unit in args.units:
+            warm, first = results[f"{unit}/{layers}"]["warm"], results[f"{unit}/{base}"]["warm"]
+            rest, first_rest = (w["first_step_s"] - w["steady_s"] for w in (warm, first))
+            print(f"| {layers} | {unit} | {warm['first_step_s']:.2f} | {warm['first_step_s'] / first['first_step_s']:.2f}x "
+                  f"| {warm['steady_s']:.3f} | {rest:.2f} | {rest / first_rest:.2f}x |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
