@@ -432,7 +432,7 @@ def rng_states(checkpoint: Path) -> dict[int, torch.Tensor]:
     with tempfile.TemporaryDirectory() as folder:
         dcp_to_torch_save(checkpoint, Path(folder) / "whole.pt")
         saved = torch.load(Path(folder) / "whole.pt", weights_only=False)
-    return {int(key.removeprefix("rank")): state["torch"] for key, state in saved["rng"].items()}
+    return {int(key.removeprefix("rank")): state["torch"] for key, state in saved["rng"].items() if key != "layout"}
 
 
 def grad_norms(summary: dict) -> list[float]:

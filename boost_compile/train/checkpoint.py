@@ -31,7 +31,7 @@ import shutil
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +202,20 @@ def write_record(path: Path, step: int, checksums: dict[str, str] | None = None,
     os.replace(tmp, path / COMPLETE_FILE)
 
 
+def rng_restorable(saved_layout: tuple[int, ...] | None, layout: tuple[int, ...], own: bool) -> str | None:
+    """Why a rank must not restore the generator state a checkpoint holds for its rank number
+    (None: restore it). The TP ranks of a replica must share one stream and the replicas must
+    not (replica_streams.py): a state saved by another ``(pp, dp, tp)`` layout under the same
+    rank number may break both, so every rank then keeps the stream its replica was seeded
+    with. An older checkpoint does not record its layout: its state is restored where it has one."""
+    if not own:
+        return "no random state saved for this rank"
+    if saved_layout is not None and tuple(saved_layout) != tuple(layout):
+        pp, dp, tp = saved_layout
+        return f"saved by pp={pp} dp={dp} tp={tp}, not this layout"
+    return None
+
+
 class Checkpointer:
     """Model, optimizer, schedule, data position and RNG in one DCP checkpoint per step.
 
@@ -263,8 +277,23 @@ class Checkpointer:
                 "scheduler": self.scheduler.state_dict(),
                 "data": self.data.state_dict(),
             },
-            "rng": {f"rank{self.dev.rank}": rng},
+            # each rank's generators, and the layout that saved them (rng_restorable)
+            "rng": {f"rank{self.dev.rank}": rng, "layout": torch.tensor(self._layout())},
         }
+
+    def _layout(self) -> tuple[int, int, int]:
+        return (self.dev.pp, self.dev.dp, self.dev.tp)
+
+    def _saved_layout(self, path: Path, saved: Mapping[str, Any]) -> tuple[int, ...] | None:
+        """The (pp, dp, tp) that saved ``path`` (None: an older checkpoint, which did not say)."""
+        import torch.distributed.checkpoint as dcp
+
+        if "rng.layout" not in saved:
+            return None
+        holder = {"rng": {"layout": torch.zeros(3, dtype=torch.long)}}
+        with _quiet_dcp():
+            dcp.load(holder, checkpoint_id=str(path), no_dist=self.dev.world == 1)
+        return tuple(int(v) for v in holder["rng"]["layout"])
 
     # save ------------------------------------------------------------------------
 
@@ -351,9 +380,11 @@ class Checkpointer:
                 "parallel.zero=1 cannot split it over the dp ranks; resume it with parallel.zero=0"
             )
         state = self._state(0, flatten=flat)
-        key = f"rng.rank{self.dev.rank}."
-        if not any(k.startswith(key) for k in saved):
-            log.warning("checkpoint %s has no RNG state for rank %d; keeping this run's", path, self.dev.rank)
+        del state["rng"]["layout"]
+        own = any(k.startswith(f"rng.rank{self.dev.rank}.") for k in saved)
+        why_not = rng_restorable(self._saved_layout(path, saved), self._layout(), own)
+        if why_not is not None:
+            log.warning("checkpoint %s: %s; rank %d keeps this run's random stream", path, why_not, self.dev.rank)
             del state["rng"]
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=str(path), no_dist=self.dev.world == 1)

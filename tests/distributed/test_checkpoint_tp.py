@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, assert_train_parity, cfg_of, rel_err, torchrun, train_references
+from conftest import FAST, assert_train_parity, cfg_of, rel_err, rng_states, torchrun, train_references
 
 from boost_compile.train import run
 from boost_compile.train.validate import tp_available
@@ -144,3 +144,7 @@ def test_one_process_checkpoint_resumes_on_tp2(runs, tmp_path):
     resumed = torchrun(2, [*runs.overrides, *TP2, *resume_from(runs.checkpoint(runs.single))], tmp_path / "d")
     assert resumed["start_step"] == 3
     assert_train_parity(resumed, runs.references, f"{runs.name}: tp2 from a one-process checkpoint", first=3)
+    # the one process's random state is not rank 0's alone: both TP ranks keep their replica's one stream
+    assert "saved by pp=1 dp=1 tp=1, not this layout" in (tmp_path / "d" / "train.log").read_text()
+    states = rng_states(tmp_path / "d" / "checkpoints" / "step_000006")
+    assert sorted(states) == [0, 1] and torch.equal(states[0], states[1])

@@ -9,6 +9,7 @@ import random
 import torch
 import torch.nn.functional as F
 
+from boost_compile.train.checkpoint import rng_restorable
 from boost_compile.train.replica_streams import replica_seed, seed_replica
 
 
@@ -39,3 +40,31 @@ def test_replicas_draw_different_masks_and_tp_ranks_of_one_replica_the_same():
         mask, py = masks(*other)
         assert not torch.equal(mask, first) and py != first_py, other
         assert torch.equal(mask, masks(*other)[0])  # the same coordinates (two TP ranks): one stream
+
+
+def test_a_checkpoint_restores_random_state_only_into_the_layout_that_saved_it():
+    assert rng_restorable((1, 2, 2), (1, 2, 2), own=True) is None
+    assert rng_restorable(None, (1, 1, 2), own=True) is None  # an older checkpoint: as before
+    # one process -> TP2: rank 0 alone would take the one-process stream, rank 1 not (the TP pair split)
+    assert rng_restorable((1, 1, 1), (1, 1, 2), own=True) == "saved by pp=1 dp=1 tp=1, not this layout"
+    # TP2 -> DP2: ranks 0 and 1 would get the one stream the TP pair shared (the replicas alike)
+    assert "not this layout" in rng_restorable((1, 1, 2), (1, 2, 1), own=True)
+    assert rng_restorable((1, 2, 1), (1, 2, 1), own=False) == "no random state saved for this rank"
+
+
+def test_a_one_process_checkpoint_records_its_layout_and_resumes_its_stream(tmp_path):
+    """Saved in one process with a dropout model, resumed in one process: the layout is (1, 1, 1),
+    and the resumed steps draw what the uninterrupted run drew (its losses, to the last bit)."""
+    from conftest import FAST, cfg_of, rng_states
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from boost_compile.train import run
+
+    base = (*FAST, "model=hf-tiny", "model.hf_config.model_type=gpt2", "passes=none", "trainer.save_every=3")
+    straight = run(cfg_of(*base), tmp_path / "a")
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_000003"
+    dcp_to_torch_save(checkpoint, tmp_path / "whole.pt")
+    assert torch.load(tmp_path / "whole.pt", weights_only=False)["rng"]["layout"].tolist() == [1, 1, 1]
+    assert list(rng_states(checkpoint)) == [0]
+    resumed = run(cfg_of(*base, "trainer.resume=true", f"checkpoint.resume_from={checkpoint}"), tmp_path / "b")
+    assert resumed["losses"] == straight["losses"][3:]
