@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_parity
+from scenario_runner import per_rank, spawn_scenarios
 
 from boost_compile.train.dp_buckets import cut_buckets
 
@@ -20,15 +21,8 @@ SCENARIOS = [{"name": "small", "bucket_mb": 0.005}, {"name": "one", "bucket_mb":
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from dp_buckets_worker import worker
-    from scenario_runner import spawn_scenarios
 
     return spawn_scenarios(worker, 2, SCENARIOS, tmp_path_factory.mktemp("dp_buckets"))
-
-
-def ranks(results, name):
-    for r in results:
-        assert "error" not in r[name], r[name].get("error")
-    return [r[name] for r in results]
 
 
 def test_buckets_are_cut_in_reverse_order_one_dtype_each():
@@ -42,13 +36,13 @@ def test_buckets_are_cut_in_reverse_order_one_dtype_each():
 
 @pytest.mark.parametrize("name", ["small", "one"])
 def test_the_average_is_the_reduced_sum(results, name):
-    for rank in ranks(results, name):
+    for rank in per_rank(results, name):
         for i, step in enumerate(rank["steps"]):
             assert_parity({"grad": step["parity"]}, "float32", f"bucketed dp average, {name}, step {i}")
 
 
 def test_buckets_are_issued_during_the_backward(results):
-    for rank in ranks(results, "small"):
+    for rank in per_rank(results, "small"):
         assert rank["buckets"] >= 4, rank["buckets"]
         first, *later = rank["steps"]
         assert first["issued_in_backward"] == 0  # the first step learns the accumulation counts
@@ -56,10 +50,10 @@ def test_buckets_are_issued_during_the_backward(results):
             assert step["issued_in_backward"] == rank["buckets"]
             # the later layers' buckets left before the first layer's last gradient was final
             assert 1 <= step["issued_before_first_linear_final"] < rank["buckets"], step
-    for rank in ranks(results, "one"):
+    for rank in per_rank(results, "one"):
         assert rank["buckets"] == 2 and [s["issued_in_backward"] for s in rank["steps"]] == [0, 2, 2]
 
 
 def test_a_gradient_accumulated_once_more_fails_by_name(results):
-    for rank in ranks(results, "small"):
+    for rank in per_rank(results, "small"):
         assert "0.weight" in rank["late"] and "more times this step than in the first (3)" in rank["late"], rank["late"]

@@ -8,6 +8,7 @@ equal to the last bit. The replicated parameters and their gradients stay equal 
 from __future__ import annotations
 
 import pytest
+from scenario_runner import per_rank, spawn_scenarios
 
 SCENARIOS = [
     {"name": "megatron", "plan": "megatron", "dropout": 0.1},
@@ -21,34 +22,27 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from scenario_runner import spawn_scenarios
     from tp_dropout_worker import worker
 
     return spawn_scenarios(worker, 2, SCENARIOS, tmp_path_factory.mktemp("tp_dropout"))
 
 
-def ok(results, name):
-    for r in results:
-        assert "error" not in r[name], r[name].get("error")
-    return [r[name] for r in results]
-
-
 @pytest.mark.parametrize("name", ["megatron", "megatron-inductor"])
 def test_twin_heads_on_two_ranks_draw_different_masks(results, name):
-    for rank in ok(results, name):
+    for rank in per_rank(results, name):
         assert rank["twins"] and not any(t["equal"] for t in rank["twins"]), rank["twins"]
         assert min(t["diff"] for t in rank["twins"]) > 1e-6
         # per block: the attention's dropout (in SDPA on local heads); the residual, MLP and
         # embedding dropouts read replicated tensors under megatron and keep the shared stream
         assert len(rank["sites"]) == 2 and all("attention" in s for s in rank["sites"]), rank["sites"]
     # the same construction without dropout: the twins' gradients are equal, so the check can tell
-    for rank in ok(results, "megatron-no-dropout"):
+    for rank in per_rank(results, "megatron-no-dropout"):
         assert all(t["equal"] for t in rank["twins"]) and rank["sites"] == []
 
 
 @pytest.mark.parametrize("name", ["megatron", "megatron-inductor", "btp"])
 def test_replicated_parameters_stay_equal_across_ranks(results, name):
-    first, second = ok(results, name)
+    first, second = per_rank(results, name)
     assert first["replicated_params"], "no replicated parameter to compare"
     assert first["replicated_grads"] == second["replicated_grads"]
     assert first["replicated_params"] == second["replicated_params"]
@@ -58,14 +52,14 @@ def test_replicated_parameters_stay_equal_across_ranks(results, name):
 def test_btp_draws_per_rank_on_the_sharded_stream(results):
     """Under btp the residual stream is cut on d: every dropout in the model reads a sharded tensor
     (the embedding's, and per block the attention's, the residual's and the MLP's)."""
-    for rank in ok(results, "btp"):
+    for rank in per_rank(results, "btp"):
         kinds = [s.split("(")[1].split(",")[0] for s in rank["sites"]]
         assert kinds.count("attention") == 2 and kinds.count("dropout") == 1 + 2 * 2, rank["sites"]
         assert rank["graphs"] == 1
 
 
 def test_a_mask_drawn_by_hand_on_a_sharded_tensor_is_refused(results):
-    for rank in ok(results, "hand"):
+    for rank in per_rank(results, "hand"):
         assert rank["message"].startswith("ParallelizeError"), rank["message"]
         assert "rand_like draws random values shaped like a tensor cut across the TP ranks" in rank["message"]
         assert "use F.dropout or nn.Dropout there" in rank["message"]

@@ -25,6 +25,13 @@ def spawn_scenarios(worker: Callable[..., None], world: int, scenarios: list[dic
     return json.loads(out.read_text())  # one dict per rank
 
 
+def per_rank(results: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """Scenario ``name``'s result on every rank (failing with a rank's traceback where it raised)."""
+    for r in results:
+        assert "error" not in r[name], r[name].get("error")
+    return [r[name] for r in results]
+
+
 def run_on_gloo(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], result_path: str,
                 run: Callable[[dict[str, Any]], dict[str, Any]], timeout_s: int = 120) -> None:
     """Join the gloo group of ``world`` ranks at ``store`` (a collective that waits past ``timeout_s``
