@@ -57,6 +57,10 @@ class Recorder:
 
     graphs: list[GraphRecord] = field(default_factory=list)
     keep_view: bool = True
+    #: record what the partitioner saves for backward (``partition_reports``). It wraps the
+    #: partitioner even under checkpoint="none", which gives the compile its own cache keys;
+    #: False leaves the compile as an unrecorded one (the FX graph and AOT caches shared)
+    keep_partitions: bool = True
 
     def new_graph(self) -> GraphRecord:
         record = GraphRecord(index=len(self.graphs))
@@ -87,7 +91,8 @@ def compile_graph(
     sink = record.aten_reports if record is not None else []
     pipeline = AtenPipeline([p for p in aten_passes(config) if p.enabled()], sink)
     # activation checkpointing: the joint-graph partitioner (None: the inner compiler's own)
-    partitioner = checkpoint_partitioner(config, record.partition_reports if record is not None else None)
+    partitions = record.partition_reports if record is not None and recorder.keep_partitions else None
+    partitioner = checkpoint_partitioner(config, partitions)
     return _inner_compile(gm, example_inputs, config, pipeline, partitioner)
 
 

@@ -6,6 +6,8 @@ its ``uuid()`` into the FX graph cache key, and bypasses the cache when it is No
 
 from __future__ import annotations
 
+import copy
+import functools
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ from torch._inductor.utils import fresh_cache
 
 import boost_compile.backend
 from boost_compile import passes
+from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import AtenPipeline
 
@@ -109,6 +112,33 @@ def test_second_compile_hits_fx_graph_cache(autograd_cache: bool) -> None:
     assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"], second
     assert second.get("fxgraph_cache_miss", 0) == 0, second
     assert second.get("fxgraph_cache_bypass", 0) == 0, second
+
+
+@pytest.mark.slow
+def test_a_recorder_shares_the_cache_only_without_partition_reports() -> None:
+    """A Recorder wraps the partitioner (to report what it saves), and so keys the compile apart
+    from an unrecorded one; with keep_partitions=False the graphs are the unrecorded compile's:
+    its FX graph cache entries are found (and the reports kept in Python still fill in)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    config = BoostConfig.from_options({"inner": "inductor"})
+
+    def compile_once(recorder: Recorder | None) -> dict[str, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        backend = functools.partial(compile_graph, config=config, recorder=recorder)
+        torch.compile(copy.deepcopy(model), backend=backend)(x).sum().backward()
+        return dict(counters["inductor"])
+
+    with inductor_config.patch(fx_graph_cache=True), functorch_config.patch(enable_autograd_cache=False), fresh_cache():
+        first = compile_once(None)
+        wrapped, kept = Recorder(), Recorder(keep_partitions=False)
+        runs = {"wrapped": compile_once(wrapped), "kept": compile_once(kept)}
+    assert first.get("fxgraph_cache_miss", 0) == 2, first
+    assert runs["wrapped"].get("fxgraph_cache_hit", 0) == 0 and len(wrapped.graphs[0].partition_reports) == 1, runs
+    assert runs["kept"].get("fxgraph_cache_hit", 0) == 2 and kept.graphs[0].partition_reports == [], runs
+    assert kept.graphs[0].reports, "the graph passes' reports come from Python, before the cache"
 
 
 class _PipelineWithoutUuid(AtenPipeline):

@@ -24,7 +24,7 @@ GEMMS = ("linear", "matmul", "mm", "addmm")
 
 
 def compile_recorded(model: nn.Module, inner: str = "aot_eager", **options):
-    rec = Recorder()
+    rec = Recorder(keep_partitions=False)  # the compile caches' keys of an unrecorded compile
     config = BoostConfig.from_options({"inner": inner, **options})
     backend = functools.partial(compile_graph, config=config, recorder=rec)
     return torch.compile(model, backend=backend, fullgraph=True), rec
