@@ -14,7 +14,7 @@ after the published shape of that style (nanoGPT's ``model.py``, Meta's llama
 ``model.py``, CoLA's raw-parameter ``ColaLayer``, Hugging Face configs); the
 quirks are kept on purpose -- they are what the compiler has to cope with.
 
-``STYLES`` maps a name to a zero-argument builder.
+``STYLES`` maps a name to a zero-argument builder (``Built``: one build per process, copies of it).
 """
 
 # Meta's llama code writes Optional[...]; kept as written
@@ -22,6 +22,7 @@ quirks are kept on purpose -- they are what the compiler has to cope with.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable
@@ -1120,7 +1121,30 @@ def modded_nanogpt(low_rank: bool = False, seed: int = 0, layer_norm: bool = Fal
 # the registry
 # =============================================================================
 
-STYLES: dict[str, Builder] = {
+class Built:
+    """A builder whose first call's model is kept: every call returns a deep copy of it.
+
+    A low-rank build factorizes, and factorize_ captures the model with Dynamo (a second or
+    so each); tests build the same style several times (the reference and its twin, scenario
+    after scenario). A copy holds the same parameters a new build would (each builder seeds
+    itself; ``test_builders_are_deterministic`` checks it), and the global random state is left
+    as the build left it. ``fresh()`` builds anew.
+    """
+
+    def __init__(self, builder: Builder) -> None:
+        self.fresh = builder
+        self._kept: tuple[nn.Module, LossFn, torch.Tensor] | None = None
+
+    def __call__(self) -> tuple[nn.Module, LossFn]:
+        if self._kept is None:
+            model, loss_fn = self.fresh()
+            self._kept = (model, loss_fn, torch.get_rng_state())
+        model, loss_fn, rng = self._kept
+        torch.set_rng_state(rng)
+        return copy.deepcopy(model), loss_fn
+
+
+_BUILDERS: dict[str, Builder] = {
     "hf-gpt2-dense": hf_gpt2,
     "hf-gpt2-lowrank": hf_gpt2_lowrank,
     "hf-opt-dense": functools.partial(hf_opt, low_rank=False),
@@ -1153,6 +1177,8 @@ STYLES: dict[str, Builder] = {
     "hf-gemma-lowrank": functools.partial(hf_gemma, low_rank=True),
     "hf-gemma-dense": functools.partial(hf_gemma, low_rank=False),
 }
+#: name -> builder (each ``Built``: the first build kept, copies returned)
+STYLES: dict[str, Built] = {name: Built(builder) for name, builder in _BUILDERS.items()}
 
 #: Bottleneck chains per decoder block that ``capture_views`` must find
 #: (low-rank entries only): fused nanoGPT c_attn, attn.c_proj, c_fc, mlp.c_proj = 4;

@@ -1,8 +1,8 @@
 """Every model of the style zoo (tests/models/style_models.py) compiles as one graph and
 matches eager PyTorch.
 
-For each ``STYLES`` entry: two builds from one seed (identical parameters), one
-run eagerly, the other through the boost backend with ``inner="aot_eager"``
+Every builder is deterministic: two builds from its seed hold the same parameters.
+For each ``STYLES`` entry: two copies of one build, one run eagerly, the other through the boost backend with ``inner="aot_eager"``
 (``compile_graph`` with a ``Recorder``: exactly what ``backend="boost",
 options={"inner": "aot_eager"}`` runs, plus a record of each graph), with
 ``fullgraph=True``; an fp64 copy of the first is the truth. The loss and every
@@ -14,8 +14,10 @@ low-rank entries ``capture_views`` must find the expected bottleneck chains.
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import pytest
+import style_models
 import torch
 from conftest import assert_parity, fp64_copy, step_errors
 from style_models import BLOCKS, BOTTLENECKS_PER_BLOCK, STYLES
@@ -44,12 +46,7 @@ def _params(name: str) -> list:
 @pytest.mark.parametrize("name", [p for n in STYLES for p in _params(n)])
 def test_style_parity_one_graph(name: str) -> None:
     ref, loss_fn = STYLES[name]()
-    twin, _ = STYLES[name]()
-    # deterministic from the seed: both builds hold the same parameters
-    ref_params, twin_params = dict(ref.named_parameters()), dict(twin.named_parameters())
-    assert ref_params.keys() == twin_params.keys()
-    assert all(torch.equal(ref_params[n], twin_params[n]) for n in ref_params), "two builds differ"
-
+    twin, _ = STYLES[name]()  # a copy of the same build (test_builders_are_deterministic)
     truth = fp64_copy(ref)
     recorder = Recorder()
     config = BoostConfig.from_options({"inner": "aot_eager"})
@@ -78,3 +75,22 @@ def test_style_parity_one_graph(name: str) -> None:
     else:
         # dense: the backend's own view of the graph holds no bottleneck
         assert recorder.graphs[0].view.bottlenecks == []
+
+
+def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+@pytest.mark.parametrize("name", sorted(STYLES))
+def test_builders_are_deterministic(name: str) -> None:
+    """Two builds from the seed hold the same parameters (the dense weights: factorize_ is an SVD
+    of them, the same in every process, which the TP tests' ranks rely on); the copies STYLES
+    returns hold them too, and a perturbed build does not."""
+    with mock.patch.object(style_models, "_factorize", lambda model: None):
+        first, second = (STYLES[name].fresh()[0] for _ in range(2))
+    assert _same_parameters(first, second), "two builds differ"
+    assert _same_parameters(STYLES[name]()[0], STYLES[name]()[0])
+    with torch.no_grad():
+        next(second.parameters()).add_(1.0)
+    assert not _same_parameters(first, second)
