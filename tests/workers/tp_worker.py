@@ -115,23 +115,67 @@ def planted(bug: str | None) -> contextlib.AbstractContextManager:
     return mock.patch.object(boost_backend, "aten_passes", lambda config: [*original(config), DropOneAllReduce(config)])
 
 
-def scenario(sc: dict[str, Any]) -> dict[str, Any]:
+def scenario(sc: dict[str, Any], prepared: dict[str, Prepared] | None = None) -> dict[str, Any]:
+    """Run ``sc``; ``prepared`` (shared_key -> Prepared) lets scenarios share their models."""
     with planted(sc.get("plant")):
-        return _scenario(sc)
+        return _scenario(sc, prepared)
 
 
-def _scenario(sc: dict[str, Any]) -> dict[str, Any]:
-    ref, call = build(sc["model"])
-    if sc.get("unit") == "block" and getattr(getattr(ref, "config", None), "use_cache", None):
-        ref.config.use_cache = False  # as boost-train trains a Hugging Face model: one graph for its blocks
-    ref_call = call
-    dtype = getattr(torch, sc.get("dtype", "float32"))
-    ref.to(dtype)
-    truth = fp64_copy(ref)  # the same (rounded) weights in fp64
-    model = copy.deepcopy(ref)
-    vocab = min(256, getattr(getattr(ref, "config", None), "vocab_size", 256))
-    tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    report = bc.parallelize_(model, (tokens,), dist.group.WORLD, plan=sc["plan"], **sc.get("parallelize", {}))
+class Prepared:
+    """A scenario's three models (unsharded, its fp64 copy, the sharded copy), its tokens and
+    parallelize_'s report, with the state they started from.
+
+    Scenarios that differ only in what acts after the capture (the inner compiler,
+    checkpointing, tp options, a planted pass) share one: ``restart`` puts every parameter and
+    buffer back (gradients dropped), so each runs from the start it would get from a new build
+    and a new parallelize_ (Dynamo is reset between scenarios).
+    """
+
+    def __init__(self, sc: dict[str, Any]) -> None:
+        ref, self.call = build(sc["model"])
+        if sc.get("unit") == "block" and getattr(getattr(ref, "config", None), "use_cache", None):
+            ref.config.use_cache = False  # as boost-train trains a Hugging Face model: one graph for its blocks
+        self.dtype = getattr(torch, sc.get("dtype", "float32"))
+        ref.to(self.dtype)
+        truth = fp64_copy(ref)  # the same (rounded) weights in fp64
+        model = copy.deepcopy(ref)
+        vocab = min(256, getattr(getattr(ref, "config", None), "vocab_size", 256))
+        self.tokens = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+        self.report = bc.parallelize_(model, (self.tokens,), dist.group.WORLD, plan=sc["plan"], **sc.get("parallelize", {}))
+        self.models = (ref, truth, model)
+        self.start = [{n: t.detach().clone() for n, t in _tensors(m)} for m in self.models]
+
+    def restart(self) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+        with torch.no_grad():
+            for m, start in zip(self.models, self.start, strict=True):
+                for name, t in _tensors(m):
+                    t.copy_(start[name])
+                    t.grad = None
+        return self.models
+
+
+def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def shared_key(sc: dict[str, Any]) -> str | None:
+    """What a scenario's Prepared is built from (None: a scenario that builds its own)."""
+    if sc.get("unit") == "block" or sc.get("whole_capture") or sc.get("explain_block"):
+        return None
+    return json.dumps([sc["model"], sc["plan"], sc.get("dtype"), sc.get("parallelize", {})], sort_keys=True)
+
+
+def _scenario(sc: dict[str, Any], prepared: dict[str, Prepared] | None = None) -> dict[str, Any]:
+    key = shared_key(sc)
+    if prepared is not None and key is not None and key in prepared:
+        setup = prepared[key]
+    else:
+        setup = Prepared(sc)
+        if prepared is not None and key is not None:
+            prepared[key] = setup
+    ref, truth, model = setup.restart()
+    call = ref_call = setup.call
+    dtype, tokens, report = setup.dtype, setup.tokens, setup.report
     full_capture = whole_capture_specs(ref, tokens, sc) if sc.get("whole_capture") else None
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager"), "checkpoint": sc.get("checkpoint", "none"),
@@ -364,6 +408,7 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch._dynamo.config.cache_size_limit = 64
     results: dict[str, Any] = {}
+    prepared: dict[str, Prepared] = {}
     for sc in scenarios:
         key = sc["name"]
         try:
@@ -371,7 +416,7 @@ def worker(rank: int, world: int, store: str, scenarios: list[dict[str, Any]], r
             with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
                 start = time.perf_counter()
                 results[key] = (bad_inputs() if sc.get("bad_inputs") else vocab_logits_checks() if sc.get("vocab_logits")
-                                else scenario(sc))
+                                else scenario(sc, prepared))
                 results[key]["seconds"] = round(time.perf_counter() - start, 2)  # what the fixture spends
         except Exception:  # noqa: BLE001 - reported to the test
             results[key] = {"error": traceback.format_exc()}
