@@ -118,7 +118,8 @@ def test_second_compile_hits_fx_graph_cache(autograd_cache: bool) -> None:
 def test_a_recorder_shares_the_cache_only_without_partition_reports() -> None:
     """A Recorder wraps the partitioner (to report what it saves), and so keys the compile apart
     from an unrecorded one; with keep_partitions=False the graphs are the unrecorded compile's:
-    its FX graph cache entries are found (and the reports kept in Python still fill in)."""
+    its FX graph cache entries are found (the Torch-IR passes still report; the ATen passes,
+    which run inside Inductor, do not)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     x = torch.randn(3, 8)
@@ -139,6 +140,7 @@ def test_a_recorder_shares_the_cache_only_without_partition_reports() -> None:
     assert runs["wrapped"].get("fxgraph_cache_hit", 0) == 0 and len(wrapped.graphs[0].partition_reports) == 1, runs
     assert runs["kept"].get("fxgraph_cache_hit", 0) == 2 and kept.graphs[0].partition_reports == [], runs
     assert kept.graphs[0].reports, "the graph passes' reports come from Python, before the cache"
+    assert kept.graphs[0].aten_reports == [] and wrapped.graphs[0].aten_reports, "a hit runs no ATen pass"
 
 
 class _PipelineWithoutUuid(AtenPipeline):
