@@ -1124,8 +1124,8 @@ def modded_nanogpt(low_rank: bool = False, seed: int = 0, layer_norm: bool = Fal
 class Built:
     """A builder whose first call's model is kept: every call returns a deep copy of it.
 
-    A low-rank build factorizes, and factorize_ captures the model with Dynamo (a second or
-    so each); tests build the same style several times (the reference and its twin, scenario
+    A low-rank build factorizes, and factorize_ captures the model with Dynamo (a trace
+    each); tests build the same style several times (the reference and its twin, scenario
     after scenario). A copy holds the same parameters a new build would (each builder seeds
     itself; ``test_builders_are_deterministic`` checks it), and the global random state is left
     as the build left it. ``fresh()`` builds anew.

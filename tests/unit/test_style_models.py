@@ -2,7 +2,8 @@
 matches eager PyTorch.
 
 Every builder is deterministic: two builds from its seed hold the same parameters.
-For each ``STYLES`` entry: two copies of one build, one run eagerly, the other through the boost backend with ``inner="aot_eager"``
+For each ``STYLES`` entry: two copies of one build, one run eagerly, the other
+through the boost backend with ``inner="aot_eager"``
 (``compile_graph`` with a ``Recorder``: exactly what ``backend="boost",
 options={"inner": "aot_eager"}`` runs, plus a record of each graph), with
 ``fullgraph=True``; an fp64 copy of the first is the truth. The loss and every
