@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from boost_compile.costmodel.hardware import load_hardware
 from boost_compile.costmodel.scale_model import SHAPES, allreduce_time
+from boost_compile.process_exit import exit_without_finalizing
 
 #: the ranks that the two normed groups carry per layer: q/k/v and gate/up, rank r each
 GROUP_WIDTHS = (3, 2)
@@ -89,6 +90,7 @@ def _worker(rank: int, store: str, tokens: int, r: int, repeats: int, out: str) 
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 def measured(tokens: int, r: int, repeats: int) -> str:

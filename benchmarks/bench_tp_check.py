@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from boost_compile.process_exit import exit_without_finalizing
+
 
 def _worker(rank: int, store: str, args: argparse.Namespace) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -72,6 +74,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace) -> None:
             print(f"| {name} | {times[name]:.2f} | {times[name] / base:.3f} |")
         sys.stdout.flush()
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from boost_compile.process_exit import exit_without_finalizing
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -94,6 +96,7 @@ def _steady_tp_worker(rank: int, world: int, layers: int, steps: int, folder: st
     if rank == 0:
         (Path(folder) / "medians.json").write_text(json.dumps(med))
     dist.destroy_process_group()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
 
 
 def _steady_medians(layers: int, steps: int, group: object) -> dict[str, float]:

@@ -142,4 +142,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from boost_compile.process_exit import exit_without_finalizing
+
     main()
+    exit_without_finalizing(0)  # gloo's threads outlive the group (boost_compile/process_exit.py)
