@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -55,10 +56,14 @@ def make_optimizer(
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: ZeRO's local AdamW, or ``optimizer`` itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    """The optimizer holding this rank's state: ZeRO's local AdamW, or ``optimizer`` itself.
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    Importing ``torch.distributed.optim`` costs about 0.4 s (it scripts its functional
+    optimizers), so a run without ZeRO never does: an optimizer can only be a
+    ZeroRedundancyOptimizer once that module is loaded.
+    """
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else optimizer
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
