@@ -182,6 +182,7 @@ def test_compile_time_factorize_on_frozen_model():
     assert after["linear"] == 2 * 7 * n + 1  # each block linear became two, the head stays
 
 
+@pytest.mark.slow
 def test_compile_time_factorize_with_inductor():
     model = tiny_dense().eval()
     make_weights_low_rank(model, rank=4)

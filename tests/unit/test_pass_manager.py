@@ -101,7 +101,7 @@ def test_uuid_follows_config():
     assert MulByTwoPass(BoostConfig()).uuid() == MulByTwoPass(BoostConfig(strict=True)).uuid()
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_op_census_sees_forward_and_backward(inner):
     model = nn.Sequential(nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 2))
     rec = Recorder()
