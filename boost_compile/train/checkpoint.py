@@ -206,8 +206,9 @@ def rng_restorable(saved_layout: tuple[int, ...] | None, layout: tuple[int, ...]
     """Why a rank must not restore the generator state a checkpoint holds for its rank number
     (None: restore it). The TP ranks of a replica must share one stream and the replicas must
     not (replica_streams.py): a state saved by another ``(pp, dp, tp)`` layout under the same
-    rank number may break both, so every rank then keeps the stream its replica was seeded
-    with. An older checkpoint does not record its layout: its state is restored where it has one."""
+    rank number may break both, so every rank then draws from a stream seeded for its replica
+    and the resumed step (``replica_streams.resumed_seed``). An older checkpoint does not
+    record its layout: its state is restored where it has one."""
     if not own:
         return "no random state saved for this rank"
     if saved_layout is not None and tuple(saved_layout) != tuple(layout):
@@ -243,6 +244,7 @@ class Checkpointer:
         self.data = data
         self.before_metadata = before_metadata
         self.last_saved: int | None = None
+        self.rng_restored = False  # whether the last load put this rank's saved random state back
         # an asynchronous save: step, folder, future, its writer (the shards' digests)
         self.pending: tuple[int, Path, Any, ChecksumWriter] | None = None
         self._group: Any = None  # the process group of asynchronous saves (not the training one)
@@ -384,8 +386,10 @@ class Checkpointer:
         own = any(k.startswith(f"rng.rank{self.dev.rank}.") for k in saved)
         why_not = rng_restorable(self._saved_layout(path, saved), self._layout(), own)
         if why_not is not None:
-            log.warning("checkpoint %s: %s; rank %d keeps this run's random stream", path, why_not, self.dev.rank)
+            log.warning("checkpoint %s: %s; rank %d draws from a stream seeded for the resumed step", path, why_not,
+                        self.dev.rank)
             del state["rng"]
+        self.rng_restored = why_not is None
         with _quiet_dcp():
             dcp.load(state, checkpoint_id=str(path), no_dist=self.dev.world == 1)
         model_sd, optim_sd = to_local(self.model, state["model"], state["optim"])

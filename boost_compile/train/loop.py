@@ -45,7 +45,7 @@ from boost_compile.train.metrics import (
 from boost_compile.train.model import fit_vocab
 from boost_compile.train.optim import make_optimizer
 from boost_compile.train.parallel import Dist, ModelParts, attempt, build_model_parts, global_numel
-from boost_compile.train.replica_streams import seed_replica
+from boost_compile.train.replica_streams import seed_replica, seed_resumed_replica
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.utilization import Utilization, utilization
 from boost_compile.train.validate import ModelShape, boost_options
@@ -225,6 +225,8 @@ class Trainer:
         self.start, self.resumed_from = self.ckpt.resume(self.candidates, auto=tc.trainer.resume == "auto")
         if self.resumed_from is not None:
             log.info("resumed from %s (step %d)", self.resumed_from, self.start)
+            if not self.ckpt.rng_restored:  # another layout saved it: not the first steps' stream again
+                seed_resumed_replica(tc.trainer.seed, self.dev.dp_rank, self.dev.pp_rank, self.start)
 
     def _describe(self, model: nn.Module, params: int | None = None) -> None:
         tc, dev, tr = self.tc, self.dev, self.tc.trainer

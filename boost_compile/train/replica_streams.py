@@ -10,7 +10,10 @@ stream between them: a replicated activation gets one mask on all of them, and a
 its own per rank from that stream (``boost_compile.distributed.tp_random``).
 
 Rank ``(0, 0)`` keeps the stream it has, so a one-process run draws what it always drew. A
-checkpoint keeps each rank's generator state, and a resumed run restores it over this.
+checkpoint keeps each rank's generator state, and a resumed run restores it over this. A run
+resumed where the saved state does not apply (another layout) reseeds every replica and stage
+from ``(seed, dp_rank, pp_rank, step)``: its stream from the seed alone would draw again what
+the first steps drew (rank ``(0, 0)`` would replay the run's first masks).
 """
 
 from __future__ import annotations
@@ -36,4 +39,19 @@ def seed_replica(seed: int, dp_rank: int, pp_rank: int) -> int | None:
     if derived is not None:
         torch.manual_seed(derived)
         random.seed(derived)
+    return derived
+
+
+def resumed_seed(seed: int, dp_rank: int, pp_rank: int, step: int) -> int:
+    """The seed of replica ``dp_rank``'s stage ``pp_rank`` resumed after ``step`` without its saved
+    random state: one per replica and stage (the TP ranks of one share it) and per step."""
+    digest = hashlib.blake2b(f"boost-train/{seed}/dp{dp_rank}/pp{pp_rank}/resumed{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def seed_resumed_replica(seed: int, dp_rank: int, pp_rank: int, step: int) -> int:
+    """Reseed torch's default generators and Python's ``random`` with :func:`resumed_seed`; the seed."""
+    derived = resumed_seed(seed, dp_rank, pp_rank, step)
+    torch.manual_seed(derived)
+    random.seed(derived)
     return derived

@@ -1,6 +1,7 @@
 """Each data-parallel replica and pipeline stage of boost-train draws its own random numbers
 (boost_compile/train/replica_streams.py); the distributed tests check the generator states each
-rank saved (test_train_parallel: DP2 apart, TP2 together; test_train_pp: PP2 x TP2)."""
+rank saved (test_train_parallel: DP2 apart, TP2 together; test_train_pp: PP2 x TP2). A run
+resumed without its saved random state does not draw its first steps' numbers again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from boost_compile.train.checkpoint import rng_restorable
-from boost_compile.train.replica_streams import replica_seed, seed_replica
+from boost_compile.train.replica_streams import replica_seed, resumed_seed, seed_replica
 
 
 def test_every_replica_and_stage_but_the_first_gets_its_own_seed():
@@ -68,3 +69,37 @@ def test_a_one_process_checkpoint_records_its_layout_and_resumes_its_stream(tmp_
     assert list(rng_states(checkpoint)) == [0]
     resumed = run(cfg_of(*base, "trainer.resume=true", f"checkpoint.resume_from={checkpoint}"), tmp_path / "b")
     assert resumed["losses"] == straight["losses"][3:]
+
+
+def test_resumed_seeds_are_one_per_replica_stage_and_step():
+    seeds = {(dp, pp, step): resumed_seed(7, dp, pp, step) for dp in range(4) for pp in range(3) for step in (3, 6)}
+    assert len(set(seeds.values())) == len(seeds)  # (0, 0) included: it gets one too
+    assert not set(seeds.values()) & {replica_seed(7, dp, pp) for dp in range(4) for pp in range(3)}
+    assert resumed_seed(7, 1, 0, 3) == resumed_seed(7, 1, 0, 3) != resumed_seed(8, 1, 0, 3)
+
+
+def test_a_resume_without_the_saved_stream_does_not_replay_the_first_steps(tmp_path, monkeypatch):
+    """A checkpoint whose random state this layout must not take (saved by another layout;
+    ``rng_restorable`` is made to say so, in one process) resumed at step 3 of a dropout model:
+    the generator state after step 6 is not the one the uninterrupted run had after step 3. With
+    the stream left as seeded, it was that state: steps 4-6 drew steps 1-3's masks again."""
+    from conftest import FAST, cfg_of, rng_states
+
+    import boost_compile.train.checkpoint as checkpoint
+    import boost_compile.train.loop as loop
+    from boost_compile.train import run
+
+    base = (*FAST, "model=hf-tiny", "model.hf_config.model_type=gpt2", "passes=none", "trainer.save_every=3")
+    run(cfg_of(*base), tmp_path / "a")
+    saved = tmp_path / "a" / "checkpoints" / "step_000003"
+    after_step_3 = rng_states(saved)[0]
+    monkeypatch.setattr(checkpoint, "rng_restorable", lambda *_args, **_kw: "saved by pp=1 dp=1 tp=2, not this layout")
+
+    def after_step_6(folder):
+        resumed = run(cfg_of(*base, "trainer.resume=true", f"checkpoint.resume_from={saved}"), folder)
+        assert resumed["start_step"] == 3
+        return rng_states(folder / "checkpoints" / "step_000006")[0]
+
+    assert not torch.equal(after_step_6(tmp_path / "b"), after_step_3)
+    monkeypatch.setattr(loop, "seed_resumed_replica", lambda *_args: None)  # the stream as seeded
+    assert torch.equal(after_step_6(tmp_path / "c"), after_step_3)
