@@ -24,34 +24,38 @@ import random
 import torch
 
 
+def _derived(key: str) -> int:
+    """A 63-bit seed from ``key`` (the same on every rank and machine)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+def _reseed(derived: int) -> int:
+    """Seed torch's default generators (every device) and Python's ``random`` with ``derived``."""
+    torch.manual_seed(derived)
+    random.seed(derived)
+    return derived
+
+
 def replica_seed(seed: int, dp_rank: int, pp_rank: int) -> int | None:
     """The seed of replica ``dp_rank``'s stage ``pp_rank`` (None for ``(0, 0)``: its stream goes on)."""
     if dp_rank == 0 and pp_rank == 0:
         return None
-    digest = hashlib.blake2b(f"boost-train/{seed}/dp{dp_rank}/pp{pp_rank}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return _derived(f"boost-train/{seed}/dp{dp_rank}/pp{pp_rank}")
 
 
 def seed_replica(seed: int, dp_rank: int, pp_rank: int) -> int | None:
-    """Reseed torch's default generators (every device) and Python's ``random`` for this
-    replica and stage; the seed used, or None where the stream is left as it is."""
+    """Reseed the generators for this replica and stage; the seed used, or None where the
+    stream is left as it is."""
     derived = replica_seed(seed, dp_rank, pp_rank)
-    if derived is not None:
-        torch.manual_seed(derived)
-        random.seed(derived)
-    return derived
+    return None if derived is None else _reseed(derived)
 
 
 def resumed_seed(seed: int, dp_rank: int, pp_rank: int, step: int) -> int:
     """The seed of replica ``dp_rank``'s stage ``pp_rank`` resumed after ``step`` without its saved
     random state: one per replica and stage (the TP ranks of one share it) and per step."""
-    digest = hashlib.blake2b(f"boost-train/{seed}/dp{dp_rank}/pp{pp_rank}/resumed{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return _derived(f"boost-train/{seed}/dp{dp_rank}/pp{pp_rank}/resumed{step}")
 
 
 def seed_resumed_replica(seed: int, dp_rank: int, pp_rank: int, step: int) -> int:
-    """Reseed torch's default generators and Python's ``random`` with :func:`resumed_seed`; the seed."""
-    derived = resumed_seed(seed, dp_rank, pp_rank, step)
-    torch.manual_seed(derived)
-    random.seed(derived)
-    return derived
+    """Reseed the generators with :func:`resumed_seed`; the seed used."""
+    return _reseed(resumed_seed(seed, dp_rank, pp_rank, step))
