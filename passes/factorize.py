@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import ACTIVATION_TARGETS
+from boost_compile.analysis import ACTIVATION_TARGETS, remove_dead_code
 from boost_compile.factorize import cola_factors, saves_parameters, svd_factors
 from boost_compile.models.lowrank import break_even_rank
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
@@ -91,7 +91,7 @@ class FactorizePass(GraphPass):
             graph.erase_node(site.node)
             report.rewritten.append(site.name)
             report.details[site.name] = {"d_in": site.d_in, "d_out": site.d_out, "rank": rank}
-        graph.eliminate_dead_code()
+        remove_dead_code(graph)
         return report
 
 

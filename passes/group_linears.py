@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import LinearSite
+from boost_compile.analysis import LinearSite, remove_dead_code
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
 
@@ -68,7 +68,7 @@ class GroupLinearsPass(GraphPass):
                     "d_in": members[0].d_in,
                     "d_out": [m.d_out for m in members],
                 }
-        ctx.gm.graph.eliminate_dead_code()
+        remove_dead_code(ctx.gm.graph)
         return report
 
 

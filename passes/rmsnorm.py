@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from boost_compile.analysis import RMSNormSite, meta_tensor
+from boost_compile.analysis import RMSNormSite, meta_tensor, remove_dead_code
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
 
@@ -75,7 +75,7 @@ class RMSNormPass(GraphPass):
             site.output.replace_all_uses_with(y)
             report.rewritten.append(site.name)
             report.details[site.name] = {"form": site.form, "eps": eps, "offset": site.weight_offset}
-        graph.eliminate_dead_code()
+        remove_dead_code(graph)
         return report
 
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from boost_compile.analysis import LayerNormSite, RMSNormSite
+from boost_compile.analysis import LayerNormSite, RMSNormSite, remove_dead_code
 from boost_compile.analysis.fx_utils import LATENT_OP_METHODS, LATENT_OP_TARGETS, LINEAR_TARGETS
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.shard import ParallelizeError, ShardSpec
@@ -159,7 +159,7 @@ class TPCollectivesPass(TPPass):
             if top is x:
                 node.replace_input_with(x, copies[top])
         report.details = {"plan": next(iter(specs.values())).plan if specs else None, "collectives": collectives}
-        graph.eliminate_dead_code()
+        remove_dead_code(graph)
         return report
 
 

@@ -8,6 +8,8 @@ from boost_compile.analysis.fx_utils import (
     count_ops,
     graph_kind,
     meta_tensor,
+    mutates,
+    remove_dead_code,
     source_to_fqn,
 )
 from boost_compile.analysis.norm_match import LayerNormSite, RMSNormSite
@@ -25,6 +27,8 @@ __all__ = [
     "count_ops",
     "graph_kind",
     "meta_tensor",
+    "mutates",
     "private_forward",
+    "remove_dead_code",
     "source_to_fqn",
 ]

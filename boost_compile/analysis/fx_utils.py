@@ -276,3 +276,51 @@ def source_of(node: fx.Node) -> str:
             return str(src.name)
         sources = src.from_node
     return ""
+
+
+# ----------------------------------------------------------------------------- dead code
+
+#: In-place operators Dynamo may record as calls whose result nobody reads.
+_INPLACE_OPERATORS = frozenset(
+    getattr(operator, f"i{name}")
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
+)
+
+
+def mutates(node: fx.Node) -> bool:
+    """``node`` writes into one of its inputs, or has some other effect beyond its value.
+
+    FX's own ``Node.is_impure`` calls a ``call_method`` pure, so ``x[..., :16].copy_(y)``
+    (Hugging Face's latent attention filling its key), ``out.index_add_(0, idx, y)`` (a
+    mixture of experts gathering its experts) and ``w.requires_grad_()`` would be dead code
+    to ``Graph.eliminate_dead_code``: their results are never read. Here a trailing
+    underscore (the in-place convention of tensor methods and ATen ops), an ``out=``
+    argument, a mutable op schema and the in-place operators count as effects too.
+    """
+    if node.is_impure():
+        return True
+    if "out" in node.kwargs:
+        return True
+    if node.op == "call_method":
+        return isinstance(node.target, str) and node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _INPLACE_OPERATORS:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = getattr(target, "__name__", "")
+    if name.endswith(".default") or "." in name:  # an OpOverload: ``add_.Tensor``
+        name = getattr(getattr(target, "overloadpacket", None), "__name__", name.split(".")[0])
+    return name.endswith("_") and not name.endswith("__")
+
+
+def remove_dead_code(graph: fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps every node that :func:`mutates`.
+
+    Passes call this, never FX's own, after they rewire a graph: FX's would drop the
+    in-place writes whose results nobody reads (a silently different model).
+    """
+    return graph.eliminate_dead_code(is_impure_node=mutates)
