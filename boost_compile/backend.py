@@ -36,6 +36,7 @@ from boost_compile.pass_manager import (
     run_graph_passes,
 )
 from boost_compile.passes import aten_passes, checkpoint_partitioner, graph_passes
+from boost_compile.verify import Verifier, VerifyReport
 
 
 @dataclass
@@ -49,6 +50,8 @@ class GraphRecord:
     #: one ``saved_tensors`` report per joint graph split (passes/saved_tensors.py)
     partition_reports: list[PassReport] = field(default_factory=list)
     view: GraphView | None = None
+    #: what ``verify`` compared on this graph, and what it dropped (None: verify off)
+    verify: VerifyReport | None = None
 
 
 @dataclass
@@ -84,7 +87,8 @@ def compile_graph(
             record.view = GraphView(copy.deepcopy(gm), example_inputs, config.analysis)
 
     ctx = PassContext(gm, example_inputs, config, grad_enabled=torch.is_grad_enabled())
-    reports = run_graph_passes(graph_passes(config), ctx, stages)
+    verifier = _verifier(gm, example_inputs, config, ctx, record)
+    reports = run_graph_passes(graph_passes(config), ctx, stages, verifier)
     if record is not None:
         record.reports.extend(reports)
 
@@ -93,7 +97,70 @@ def compile_graph(
     # activation checkpointing: the joint-graph partitioner (None: the inner compiler's own)
     partitions = record.partition_reports if record is not None and recorder.keep_partitions else None
     partitioner = checkpoint_partitioner(config, partitions)
-    return _inner_compile(gm, example_inputs, config, pipeline, partitioner)
+    compiled = _inner_compile(gm, example_inputs, config, pipeline, partitioner)
+    if verifier is None or not verifier.available:
+        return compiled
+    return _verified_compile(compiled, verifier, example_inputs, config, pipeline)
+
+
+def _verifier(gm: fx.GraphModule, example_inputs: Sequence[Any], config: BoostConfig, ctx: PassContext,
+              record: GraphRecord | None) -> Verifier | None:
+    """The reference of this graph for ``verify`` (None when verify is off)."""
+    if not config.verify.enabled:
+        return None
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    name = str(compile_id) if compile_id is not None else (str(record.index) if record is not None else "?")
+    verifier = Verifier(gm, example_inputs, ctx.needs_grad(), config.strict, name)
+    if record is not None:
+        record.verify = verifier.report
+    return verifier
+
+
+def _verified_compile(compiled: Callable[..., Any], verifier: Verifier, example_inputs: Sequence[Any],
+                      config: BoostConfig, pipeline: AtenPipeline) -> Callable[..., Any]:
+    """``compiled``, checked against the captured graph when it is first called."""
+    if config.mode == "reduce-overhead" or config.inductor.get("triton.cudagraphs"):
+        verifier.unverified(f"compiled ({config.inner})", "CUDA graphs: a run outside the user's steps would record one")
+        return compiled
+    return CheckedOnFirstCall(compiled, verifier, example_inputs, config, pipeline)
+
+
+class CheckedOnFirstCall:
+    """The compiled graph, run once against the captured graph before its first real call.
+
+    Not at compile time: the backward graph is compiled lazily, by the first backward, and that
+    must happen outside the compile of the forward. On a mismatch the captured graph is compiled
+    again without the passes; if that differs too, it runs as Dynamo gave it (each fallback is
+    warned by the verifier; strict raises).
+    """
+
+    def __init__(self, compiled: Callable[..., Any], verifier: Verifier, example_inputs: Sequence[Any],
+                 config: BoostConfig, pipeline: AtenPipeline) -> None:
+        self.fn = compiled
+        self.verifier: Verifier | None = verifier
+        self.example_inputs = example_inputs
+        self.config = config
+        self.rewriting = [p.name for p in pipeline.passes if not p.observes_only]
+
+    def __call__(self, *args: Any) -> Any:
+        if self.verifier is not None:
+            verifier, self.verifier = self.verifier, None
+            self.fn = self._checked(verifier)
+            self.example_inputs = ()
+        return self.fn(*args)
+
+    def _checked(self, verifier: Verifier) -> Callable[..., Any]:
+        inner = self.config.inner
+        aten = f", ATen passes {'+'.join(self.rewriting)}" if self.rewriting else ""
+        if verifier.check_compiled(f"compiled ({inner}{aten})", self.fn,
+                                   "the captured graph is compiled again without the passes"):
+            return self.fn
+        plain = BoostConfig.from_options({"inner": inner, "mode": self.config.mode, "inductor": self.config.inductor})
+        fallback = _inner_compile(verifier.fresh_captured(), self.example_inputs, plain, AtenPipeline([]))
+        if verifier.check_compiled(f"captured graph compiled ({inner}), no passes", fallback,
+                                   "the captured graph runs as Dynamo gave it"):
+            return fallback
+        return verifier.fresh_captured().forward
 
 
 def _inner_compile(

@@ -173,11 +173,27 @@ class OpCensusConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """Translation validation (``verify.py``): each Torch-IR pass's graph, and the finished
+    compile, run on the compile's own example inputs against the captured graph and float64
+    under the parity rule; a rewrite that breaks it is dropped with a warning (strict: raised).
+
+    ``enabled``: off by default: it adds about three eager runs of the graph (one in float64)
+    and one more per pass that changed it to the first compile (benchmarks/RESULTS.md,
+    "verify's cost"); boost-train and the integrations turn it on for their first compile.
+    """
+
+    enabled: bool = False
+
+
+@dataclass
 class BoostConfig:
     """Everything ``backend="boost"`` can be told.
 
     ``inner``: the compiler the rewritten graph is handed to.
-    ``strict``: raise when an enabled pass found nothing to rewrite or skipped a site.
+    ``strict``: raise when an enabled pass found nothing to rewrite or skipped a site, and when
+    ``verify`` finds a rewrite that changed what the graph computes.
+    ``verify``: check every rewrite against the graph it replaced (``VerifyConfig``).
     ``factorize``: opt-in compile-time factorization for frozen models (None = off).
     ``group``: one GEMM per set of linears that share an input (on by default).
     ``rmsnorm``: every RMSNorm becomes the fused op (on by default, CUDA graphs).
@@ -204,6 +220,7 @@ class BoostConfig:
     rmsnorm: RMSNormConfig = field(default_factory=RMSNormConfig)
     tp: TPConfig = field(default_factory=TPConfig)
     op_census: OpCensusConfig = field(default_factory=OpCensusConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     checkpoint: str = "none"
     checkpoint_budget: float = 0.5
     mode: str = "default"
@@ -326,6 +343,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
         sub = _dataclass_in(hints[name])
         if sub is not None and isinstance(value, dict):
             value = _build(sub, value, prefix=f"{prefix}{name}.")
+        elif sub is not None and isinstance(value, bool) and hints[name] is sub and "enabled" in {
+            f.name for f in dataclasses.fields(sub)
+        }:
+            # ``verify=True`` / ``group=False``: a section's on/off switch
+            value = sub(enabled=value)
         elif sub is not None and isinstance(value, bool) and hints[name] is not sub:
             # ``factorize=False`` switches an optional pass off.
             if value:

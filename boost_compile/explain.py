@@ -62,6 +62,7 @@ class Explanation:
             "passes": [r.to_dict() for r in g.reports],
             "aten": [r.to_dict() for r in g.aten_reports],
             "saved_tensors": [r.to_dict() for r in g.partition_reports],
+            "verify": g.verify.to_dict() if g.verify is not None else None,
         }
         if view is not None:
             out["analysis"] = {
@@ -149,6 +150,10 @@ class Explanation:
             lines += [f"  - rewrote {site}" for site in r.rewritten]
             lines += [f"  - skipped {site}: {why}" for site, why in r.skipped]
         lines.append("")
+        if g.verify is not None:
+            lines += ["### Verify", "", "Each rewrite against the captured graph and float64 (the parity rule):", ""]
+            lines += [f"- {line}" for line in g.verify.lines()]
+            lines.append("")
         lines += ["### Op counts", ""]
         lines += self._op_table(g)
         lines += self._collective_table(g)

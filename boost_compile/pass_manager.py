@@ -33,6 +33,7 @@ from boost_compile import _torch_compat as compat
 from boost_compile import trace
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
+from boost_compile.verify import Verifier, copy_graph
 
 log = logging.getLogger("boost_compile")
 
@@ -53,6 +54,8 @@ class PassReport:
     #: Set when the pass does not apply to this graph by design (e.g. a CUDA-only
     #: rewrite on a CPU graph): strict mode accepts it, explain shows the reason.
     not_applicable: str | None = None
+    #: ``verify`` found that the rewrite changed what the graph computes and undid it
+    dropped: bool = False
 
     def skip(self, site: str, reason: str) -> None:
         self.skipped.append((site, reason))
@@ -66,17 +69,17 @@ class PassReport:
             "skipped": [list(s) for s in self.skipped],
             "details": self.details,
             "not_applicable": self.not_applicable,
+            "dropped": self.dropped,
         }
 
     def line(self) -> str:
         if self.not_applicable:
             return f"{self.name}: not applicable ({self.not_applicable})"
         if "summary" in self.details:  # a pass that says what it found in its own words
-            return f"{self.name}: {self.details['summary']}"
-        return (
-            f"{self.name}: found {len(self.found)}, rewritten {len(self.rewritten)}, "
-            f"skipped {len(self.skipped)}"
-        )
+            line = f"{self.name}: {self.details['summary']}"
+        else:
+            line = f"{self.name}: found {len(self.found)}, rewritten {len(self.rewritten)}, skipped {len(self.skipped)}"
+        return line + (" -- DROPPED by verify (the rewrite changed what the graph computes)" if self.dropped else "")
 
 
 @dataclass
@@ -157,6 +160,8 @@ class AtenPass:
     """A pass on an ATen graph (forward or backward), run by the inner compiler."""
 
     name: ClassVar[str] = "aten_pass"
+    #: the pass only reads the graph (a census): nothing of it to verify
+    observes_only: ClassVar[bool] = False
 
     def __init__(self, config: BoostConfig) -> None:
         self.config = config
@@ -214,8 +219,14 @@ def run_graph_passes(
     passes: Sequence[GraphPass],
     ctx: PassContext,
     stages: list[StageRecord] | None = None,
+    verifier: Verifier | None = None,
 ) -> list[PassReport]:
-    """Run the enabled passes in order; check strict mode after each."""
+    """Run the enabled passes in order; check strict mode after each.
+
+    With a ``verifier``, each pass that changed the graph is checked against the captured
+    graph; one that breaks the parity rule is undone (its report says so) and the next pass
+    runs on the graph as it was before it.
+    """
     from boost_compile.analysis import count_ops
 
     reports = []
@@ -223,10 +234,16 @@ def run_graph_passes(
     for p in passes:
         if not p.enabled():
             continue
+        before = copy_graph(ctx.gm.graph) if verifier is not None and verifier.available else None
+        code = ctx.gm.code if before is not None else None
         report = p.run(ctx)
         ctx.gm.graph.lint()
         ctx.gm.recompile()
         ctx.invalidate()
+        if before is not None and ctx.gm.code != code and not verifier.check_pass(p.name, before, ctx.gm):
+            ctx.gm.graph = before
+            ctx.gm.recompile()
+            report.dropped = True
         reports.append(report)
         log.info("%s", report.line())
         traced.after(report)  # before the strict check: a failing pass's report is in the trace too

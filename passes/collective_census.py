@@ -24,6 +24,7 @@ from boost_compile.pass_manager import AtenPass, PassReport
 
 class CollectiveCensusPass(AtenPass):
     name = "collective_census"
+    observes_only = True
 
     def enabled(self) -> bool:
         return self.config.op_census.enabled

@@ -18,6 +18,7 @@ from boost_compile.pass_manager import AtenPass, PassReport
 
 class OpCensusPass(AtenPass):
     name = "op_census"
+    observes_only = True
 
     def enabled(self) -> bool:
         return self.config.op_census.enabled

@@ -1,0 +1,375 @@
+"""Translation validation: every rewrite checked against the graph it replaced.
+
+Dynamo hands the backend the real tensors of the first call. With ``verify`` on, the
+backend runs the captured graph on copies of them three ways before any pass:
+
+    eager    the captured graph in the inputs' dtype        (what the user's model computes)
+    truth    the captured graph in float64                  (dtype literals such as
+             ``.to(torch.float32)`` become float64 too, as a ``model.double()`` would give)
+
+and then, after each Torch-IR pass that changed the graph, the rewritten graph in the
+inputs' dtype. Each run is a forward and, for a training graph, a backward from fixed
+random cotangents on every floating output; random ops draw from one generator state in
+every run (and the caller's generators are left as they were). Every output and the
+gradient of every input that requires one (the parameters) are judged by the parity rule
+(``parity.py``): err(rewritten, truth) <= C * err(eager, truth) + floor.
+
+A pass that breaks the rule is undone for that graph: a ``VerifyWarning`` names the pass,
+the graph, the tensors that differ and the first node whose value differs (the graphs
+compared node by node, by name), and the compile goes on without that rewrite; in strict
+mode ``VerifyError`` is raised instead. The finished compile (the callable the user will
+run, forward and backward) is checked once against the same reference; when it fails, the
+captured graph is compiled again without the passes (and, if that fails too, run eagerly).
+
+What cannot be compared is said, not guessed: a graph with collectives (tensor
+parallelism: each rank's program is part of a whole), fake example inputs, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from boost_compile import parity
+from boost_compile.analysis.fx_utils import is_collective, node_target_name
+
+log = logging.getLogger("boost_compile")
+
+#: The floating dtypes a float64 copy of a graph widens.
+_NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: The cotangents' generator seed and the random ops' one (any fixed numbers).
+_COTANGENT_SEED = 1234
+_RANDOM_SEED = 4321
+
+
+class VerifyWarning(UserWarning):
+    """A rewrite changed what the graph computes; it was dropped."""
+
+
+class VerifyError(RuntimeError):
+    """A rewrite changed what the graph computes (strict mode)."""
+
+
+@dataclass
+class Check:
+    """One comparison: a pass's rewrite, or the finished compile."""
+
+    stage: str
+    #: "verified", "dropped" (broke the rule, undone), or "unverified" (could not be compared)
+    status: str
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"{self.stage}: {self.status}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` compared on one graph, for ``explain``."""
+
+    checks: list[Check] = field(default_factory=list)
+    #: why nothing on this graph could be compared (None: a reference was built)
+    unavailable: str | None = None
+
+    def lines(self) -> list[str]:
+        if self.unavailable:
+            return [f"not verified: {self.unavailable}"]
+        return [c.line() for c in self.checks]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"unavailable": self.unavailable, "checks": [vars(c) for c in self.checks]}
+
+    @property
+    def dropped(self) -> list[str]:
+        return [c.stage for c in self.checks if c.status == "dropped"]
+
+
+# ----------------------------------------------------------------------------- running a graph
+
+
+def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose narrow float dtype literals are float64 (inputs are upcast by the caller)."""
+    graph = copy_graph(gm.graph)
+
+    def widen(a: Any) -> Any:
+        return torch.float64 if isinstance(a, torch.dtype) and a in _NARROW_FLOATS else a
+
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, widen)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, widen)
+    return fx.GraphModule(gm, graph)
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A node-for-node copy (same names; metadata copied shallowly, fake tensors shared)."""
+    new = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out, old_output = new.graph_copy(graph, val_map, return_output_node=True)
+    new.output(out, type_expr=getattr(old_output, "type", None))
+    for old, copied in val_map.items():
+        # Dynamo's own attributes of a node (a placeholder's ``_dynamo_source``, which AOT
+        # autograd reads) are not metadata: node_copy leaves them behind
+        for key, value in vars(old).items():
+            if key.startswith("_dynamo"):
+                setattr(copied, key, value)
+    return new
+
+
+@dataclass
+class Run:
+    """The tensors one run produced, by name: ``output[i]`` and ``grad:<input>``."""
+
+    values: dict[str, torch.Tensor | None]
+
+
+class Inputs:
+    """The example inputs, copied afresh for each run (in float64 for the truth)."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        self.example = list(example_inputs)
+        names = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.names = [_input_name(n) for n in names]
+
+    def fresh(self, fp64: bool) -> tuple[list[Any], dict[str, torch.Tensor]]:
+        """Copies of the inputs; the leaves that want a gradient, by name."""
+        args, leaves = [], {}
+        for name, x in zip(self.names, self.example, strict=False):
+            if isinstance(x, torch.Tensor):
+                y = x.detach()
+                y = y.to(torch.float64) if fp64 and y.dtype in _NARROW_FLOATS else y.clone()
+                if x.requires_grad:
+                    y.requires_grad_(True)
+                    leaves[name] = y
+                args.append(y)
+            else:
+                args.append(x)
+        return args, leaves
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return sorted({x.device for x in self.example if isinstance(x, torch.Tensor) and x.device.type != "cpu"},
+                      key=str)
+
+
+def _input_name(node: fx.Node) -> str:
+    from boost_compile import _torch_compat as compat
+    from boost_compile.analysis.fx_utils import source_to_fqn
+
+    source = compat.placeholder_source_name(node)
+    return source_to_fqn(source) or node.name if source is not None else node.name
+
+
+@contextlib.contextmanager
+def _same_random_draws(devices: Sequence[torch.device]) -> Iterator[None]:
+    """One generator state for every run; the caller's state restored afterwards."""
+    cuda = [d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"]
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.manual_seed(_RANDOM_SEED)
+        yield
+
+
+def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> Run:
+    """Forward (and backward from fixed cotangents) of ``fn`` on fresh copies of the inputs."""
+    args, leaves = inputs.fresh(fp64)
+    with _same_random_draws(inputs.devices), torch.set_grad_enabled(backward):
+        out = fn(*args)
+        flat = pytree.tree_leaves(out)
+        values: dict[str, torch.Tensor | None] = {}
+        seeds = []
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor):
+                values[f"output[{i}]"] = t.detach()
+                if backward and t.requires_grad and t.is_floating_point():
+                    seeds.append((t, _cotangent(t, i)))
+        if seeds:
+            torch.autograd.backward([t for t, _ in seeds], [c for _, c in seeds])
+    for name, leaf in leaves.items():
+        values[f"grad:{name}"] = leaf.grad
+    return Run(values)
+
+
+def _cotangent(t: torch.Tensor, index: int) -> torch.Tensor:
+    """Fixed random numbers in fp32 (the same values, widened, for a float64 run)."""
+    gen = torch.Generator().manual_seed(_COTANGENT_SEED + index)
+    return torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+
+
+# ----------------------------------------------------------------------------- the verifier
+
+
+def _why_unverifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(x, FakeTensor) for x in example_inputs):
+        return "the example inputs are fake tensors"
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(x, DTensor) for x in example_inputs):
+        return "DTensor inputs (each rank's program is part of a whole)"
+    return _collectives(gm)
+
+
+def _collectives(gm: fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and is_collective(node):
+            return f"the graph runs collectives ({node_target_name(node)}): each rank's program is part of a whole"
+    return None
+
+
+class Verifier:
+    """The reference of one graph and the checks of each stage against it."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], backward: bool, strict: bool,
+                 graph_name: str) -> None:
+        self.report = VerifyReport()
+        self.backward = backward
+        self.strict = strict
+        self.graph_name = graph_name
+        self.captured = fx.GraphModule(gm, copy_graph(gm.graph))
+        self.inputs = Inputs(gm, example_inputs)
+        self.report.unavailable = _why_unverifiable(gm, example_inputs)
+        self.eager: Run | None = None
+        self.truth: Run | None = None
+        self.dtype = _float_dtype(example_inputs)
+        if self.report.unavailable is None:
+            try:
+                self.eager = run(self.captured, self.inputs, fp64=False, backward=backward)
+                self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=backward)
+            except Exception as e:  # noqa: BLE001 - any failure to build a reference is reported, not raised
+                self.report.unavailable = f"the captured graph could not be run as a reference: {_one_line(e)}"
+
+    @property
+    def available(self) -> bool:
+        return self.report.unavailable is None
+
+    # -- one Torch-IR pass --------------------------------------------------------
+
+    def check_pass(self, name: str, before: fx.Graph, gm: fx.GraphModule) -> bool:
+        """Whether ``gm`` (after pass ``name``) keeps the rule; False: the caller undoes the pass."""
+        if not self.available:
+            return True
+        why = _collectives(gm)
+        if why is not None:
+            self.report.checks.append(Check(name, "unverified", why))
+            return True
+        try:
+            tested = run(gm, self.inputs, fp64=False, backward=self.backward)
+        except Exception as e:  # noqa: BLE001 - a rewrite that no longer runs is a failed check
+            return self._failed(name, f"the rewritten graph raised {_one_line(e)}", None)
+        bad = parity.compare(tested.values, self.eager.values, self.truth.values, self.dtype)
+        if not bad:
+            self.report.checks.append(Check(name, "verified", self._worst(tested)))
+            return True
+        first = first_differing_node(self.captured, gm, self.inputs, self.dtype)
+        return self._failed(name, _listed(bad), first)
+
+    # -- the finished compile -----------------------------------------------------
+
+    def check_compiled(self, stage: str, compiled: Callable[..., Any], fallback: str) -> bool:
+        """Whether the callable the user will run keeps the rule against the captured graph."""
+        if not self.available:
+            return True
+        try:
+            tested = run(compiled, self.inputs, fp64=False, backward=self.backward)
+        except Exception as e:  # noqa: BLE001
+            return self._failed(stage, f"the compiled graph raised {_one_line(e)}", None, fallback)
+        bad = parity.compare(tested.values, self.eager.values, self.truth.values, self.dtype)
+        if not bad:
+            self.report.checks.append(Check(stage, "verified", self._worst(tested)))
+            return True
+        return self._failed(stage, _listed(bad), None, fallback)
+
+    def fresh_captured(self) -> fx.GraphModule:
+        """A new copy of the captured graph (an inner compiler takes ownership of what it is given)."""
+        return fx.GraphModule(self.captured, copy_graph(self.captured.graph))
+
+    def unverified(self, stage: str, why: str) -> None:
+        if self.available:
+            self.report.checks.append(Check(stage, "unverified", why))
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _worst(self, tested: Run) -> str:
+        scale = max((t.double().norm().item() for t in self.truth.values.values() if t is not None), default=0.0)
+        worst = 0.0
+        for name, ref in self.truth.values.items():
+            t, e = tested.values.get(name), self.eager.values.get(name)
+            if ref is None or t is None or e is None:
+                continue
+            c, floor = parity.PARITY.get(self.dtype, parity.PARITY[torch.float32])
+            ratio = parity.rel_err(t, ref, scale) / max(parity.rel_err(e, ref, scale), floor / c)
+            worst = max(worst, ratio)
+        return f"{len(self.truth.values)} tensors, largest err / eager err {worst:.2f}"
+
+    def _failed(self, stage: str, what: str, first: str | None,
+                consequence: str = "that rewrite is dropped for this graph") -> bool:
+        where = f"; first node whose value differs: {first}" if first else ""
+        message = f"verify: {stage} changed what graph {self.graph_name} computes: {what}{where}"
+        if self.strict:
+            raise VerifyError(message)
+        warnings.warn(f"{message}; {consequence}", VerifyWarning, stacklevel=2)
+        log.warning("%s", message)
+        self.report.checks.append(Check(stage, "dropped", what + where))
+        return False
+
+
+def first_differing_node(before: fx.GraphModule, after: fx.GraphModule, inputs: Inputs, dtype: torch.dtype) -> str | None:
+    """The first node of ``after`` (in order) whose forward value breaks the rule against the node of
+    the same name in ``before``; None when every shared node agrees (the difference is in backward)."""
+    with torch.no_grad():
+        truth = _node_values(float64_graph(before), inputs, fp64=True)
+        eager = _node_values(before, inputs, fp64=False)
+        tested = _node_values(after, inputs, fp64=False)
+    for node in after.graph.nodes:
+        name = node.name
+        if name not in truth or name not in tested or name not in eager or node.op == "placeholder":
+            continue
+        if parity.compare({name: tested[name]}, {name: eager[name]}, {name: truth[name]}, dtype):
+            return f"{name} ({node_target_name(node) if node.op != 'output' else 'output'})"
+    return None
+
+
+def _node_values(gm: fx.GraphModule, inputs: Inputs, fp64: bool) -> dict[str, torch.Tensor]:
+    """Every node's tensor value (as it stands at the end of the run: in-place writes included)."""
+    values: dict[str, torch.Tensor] = {}
+
+    class Recording(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) and (out.is_floating_point() or out.is_complex()):
+                values[n.name] = out
+            return out
+
+    args, _ = inputs.fresh(fp64)
+    with _same_random_draws(inputs.devices):
+        try:
+            Recording(gm).run(*args)
+        except Exception as e:  # noqa: BLE001 - the values up to the failure still locate it
+            log.info("verify: node-by-node run stopped: %s", _one_line(e))
+    return values
+
+
+def _listed(bad: Sequence[parity.Mismatch]) -> str:
+    return "; ".join(map(str, bad[:3])) + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+
+
+def _float_dtype(example_inputs: Sequence[Any]) -> torch.dtype:
+    """The narrowest floating dtype among the inputs (the one whose rounding the rule allows)."""
+    dtypes = {x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    for d in (torch.bfloat16, torch.float16, torch.float32):
+        if d in dtypes:
+            return d
+    return torch.float32
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

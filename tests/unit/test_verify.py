@@ -1,0 +1,140 @@
+"""``verify``: every rewrite checked against the graph it replaced (boost_compile/verify.py).
+
+A planted wrong rewrite (a pass after group_linears that swaps two outputs of a grouped GEMM)
+is named with its first differing node and dropped, and the compile returns eager's numbers;
+strict mode raises. A correct compile is reported verified, stage by stage.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import check_against_eager, upcast
+
+import boost_compile.backend as backend
+from boost_compile.analysis.fx_utils import SPLIT_TARGETS
+from boost_compile.backend import Recorder, compile_graph
+from boost_compile.config import BoostConfig
+from boost_compile.explain import explain
+from boost_compile.models import Llama, LlamaConfig
+from boost_compile.pass_manager import GraphPass, PassContext, PassReport
+from boost_compile.passes import graph_passes
+from boost_compile.verify import VerifyError, VerifyWarning
+
+TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+class SwapGroupedOutputs(GraphPass):
+    """Wrong on purpose: the first grouped GEMM's split hands member 0 the output of member 1."""
+
+    name = "swap_grouped_outputs"
+
+    def run(self, ctx: PassContext) -> PassReport:
+        report = PassReport(self.name)
+        for node in ctx.gm.graph.nodes:
+            if node.op == "call_function" and node.target in SPLIT_TARGETS and node.args[1] == [16, 16]:
+                first, second = sorted((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])[:2]
+                first.args, second.args = (node, 1), (node, 0)
+                report.found.append(node.name)
+                report.rewritten.append(node.name)
+                break
+        return report
+
+
+class TwoHeads(nn.Module):
+    """Two linears on one input (grouped into one GEMM) with outputs of the same width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.a(x)) * torch.sigmoid(self.b(x)))
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    def with_planted(config):
+        passes = graph_passes(config)
+        at = [p.name for p in passes].index("group_linears") + 1
+        return [*passes[:at], SwapGroupedOutputs(config), *passes[at:]]
+
+    monkeypatch.setattr(backend, "graph_passes", with_planted)
+
+
+def compile_recorded(model, **options):
+    rec = Recorder(keep_partitions=False)
+    config = BoostConfig.from_options({"inner": "aot_eager", "verify": True, **options})
+    fn = torch.compile(model, backend=lambda gm, ex: compile_graph(gm, ex, config, rec), fullgraph=True)
+    return fn, rec
+
+
+def test_planted_swap_is_named_dropped_and_eager_numbers_kept(planted):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(3, 8, requires_grad=True)
+    records = []
+
+    def compile_fn(m):
+        fn, rec = compile_recorded(m)
+        records.append(rec)
+        return fn
+
+    with pytest.warns(VerifyWarning, match=r"swap_grouped_outputs changed what graph .* computes: .*"
+                      r"first node whose value differs: relu"):
+        check_against_eager(model, compile_fn, lambda m, x: upcast(m(*x)).pow(2).sum(), (x,), "planted swap")
+    (graph,) = records[0].graphs
+    by_stage = {c.stage: c.status for c in graph.verify.checks}
+    assert by_stage["group_linears"] == "verified"
+    assert by_stage["swap_grouped_outputs"] == "dropped"
+    assert by_stage["compiled (aot_eager)"] == "verified"
+    (swap,) = [r for r in graph.reports if r.name == "swap_grouped_outputs"]
+    assert swap.dropped and "DROPPED by verify" in swap.line()
+    # grouping itself survived: one GEMM for a and b in the graph that runs
+    assert graph.stages[-1].op_counts["linear"] == 2
+
+
+def test_strict_raises_on_the_planted_swap(planted):
+    fn, _ = compile_recorded(TwoHeads(), strict=True)
+    with pytest.raises(Exception, match="swap_grouped_outputs changed what graph") as info:
+        fn(torch.randn(3, 8))
+    assert isinstance(info.value, VerifyError) or "VerifyError" in str(info.value)  # Dynamo wraps a backend's error
+
+
+def test_a_correct_compile_is_verified_stage_by_stage():
+    torch.manual_seed(0)
+    report = explain(Llama(LlamaConfig.preset("tiny")), TOKENS, TOKENS, options={"inner": "aot_eager", "verify": True})
+    (graph,) = report.graphs
+    assert graph.verify.unavailable is None
+    statuses = {c.stage: c.status for c in graph.verify.checks}
+    assert statuses == {"group_linears": "verified", "compiled (aot_eager)": "verified"}, statuses
+    text = report.markdown()
+    assert "### Verify" in text and "group_linears: verified" in text
+    assert report.to_dict()["graphs"][0]["verify"]["checks"][0]["stage"] == "group_linears"
+
+
+def test_verify_leaves_the_callers_random_state_alone():
+    """The reference and the checks draw dropout masks from a generator state of their own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    state = torch.get_rng_state()
+    fn, rec = compile_recorded(model)
+    verified = fn(x)
+    after_verified = torch.get_rng_state()
+    torch._dynamo.reset()
+    torch.set_rng_state(state)
+    plain = torch.compile(model, backend="boost", options={"inner": "aot_eager"})(x)
+    assert torch.equal(after_verified, torch.get_rng_state())
+    assert torch.equal(verified, plain)  # the same mask as a compile without verify
+    assert [(c.stage, c.status) for c in rec.graphs[0].verify.checks] == [("compiled (aot_eager)", "verified")]
+
+
+def test_verify_true_is_a_switch():
+    assert BoostConfig.from_options({"verify": True}).verify.enabled
+    assert not BoostConfig.from_options({"group": False}).group.enabled
