@@ -297,6 +297,36 @@ def map_nested(fn: Any, tree: Any) -> Any:
     return _pytree.tree_map(fn, tree)
 
 
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts (torch's pytree), in order: a graph's outputs."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_leaves(tree)
+
+
+def is_fake(value: Any) -> bool:
+    """Whether ``value`` is a fake tensor (shapes and dtypes only, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def current_compile_id() -> str | None:
+    """The id Dynamo gives the compile in progress ("0/0": frame 0, its first compile), else None."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return str(compile_id) if compile_id is not None else None
+
+
+def copy_dynamo_node_attributes(old: Any, new: Any) -> None:
+    """Dynamo's own attributes of an FX node (a placeholder's ``_dynamo_source``, which AOT
+    autograd reads) onto its copy: they are not metadata, and ``Graph.node_copy`` leaves them."""
+    for key, value in vars(old).items():
+        if key.startswith("_dynamo"):
+            setattr(new, key, value)
+
+
 def original_module(module: Any) -> Any:
     """The module under a ``torch.compile`` wrapper (itself when not wrapped)."""
     return getattr(module, "_orig_mod", module)

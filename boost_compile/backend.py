@@ -108,8 +108,7 @@ def _verifier(gm: fx.GraphModule, example_inputs: Sequence[Any], config: BoostCo
     """The reference of this graph for ``verify`` (None when verify is off)."""
     if not config.verify.enabled:
         return None
-    compile_id = torch._guards.CompileContext.current_compile_id()
-    name = str(compile_id) if compile_id is not None else (str(record.index) if record is not None else "?")
+    name = compat.current_compile_id() or (str(record.index) if record is not None else "?")
     verifier = Verifier(gm, example_inputs, ctx.needs_grad(), config.strict, name)
     if record is not None:
         record.verify = verifier.report

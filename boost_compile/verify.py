@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 
+from boost_compile import _torch_compat as compat
 from boost_compile import parity
 from boost_compile.analysis.fx_utils import is_collective, node_target_name
 
@@ -115,11 +115,7 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     out, old_output = new.graph_copy(graph, val_map, return_output_node=True)
     new.output(out, type_expr=getattr(old_output, "type", None))
     for old, copied in val_map.items():
-        # Dynamo's own attributes of a node (a placeholder's ``_dynamo_source``, which AOT
-        # autograd reads) are not metadata: node_copy leaves them behind
-        for key, value in vars(old).items():
-            if key.startswith("_dynamo"):
-                setattr(copied, key, value)
+        compat.copy_dynamo_node_attributes(old, copied)
     return new
 
 
@@ -160,7 +156,6 @@ class Inputs:
 
 
 def _input_name(node: fx.Node) -> str:
-    from boost_compile import _torch_compat as compat
     from boost_compile.analysis.fx_utils import source_to_fqn
 
     source = compat.placeholder_source_name(node)
@@ -181,7 +176,7 @@ def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> R
     args, leaves = inputs.fresh(fp64)
     with _same_random_draws(inputs.devices), torch.set_grad_enabled(backward):
         out = fn(*args)
-        flat = pytree.tree_leaves(out)
+        flat = compat.tree_leaves(out)
         values: dict[str, torch.Tensor | None] = {}
         seeds = []
         for i, t in enumerate(flat):
@@ -206,10 +201,10 @@ def _cotangent(t: torch.Tensor, index: int) -> torch.Tensor:
 
 
 def _why_unverifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if any(isinstance(x, FakeTensor) for x in example_inputs):
+    if any(compat.is_fake(x) for x in example_inputs):
         return "the example inputs are fake tensors"
+    if any(getattr(x, "_boost_tp", None) is not None for x in example_inputs):
+        return "a model sharded by parallelize_ (each rank's program is part of a whole)"
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(x, DTensor) for x in example_inputs):

@@ -308,7 +308,7 @@ def mutates(node: fx.Node) -> bool:
     target = node.target
     if target in _INPLACE_OPERATORS:
         return True
-    schema = getattr(target, "_schema", None)
+    schema = compat.op_schema(target)
     if schema is not None and schema.is_mutable:
         return True
     name = getattr(target, "__name__", "")
