@@ -311,6 +311,15 @@ def is_fake(value: Any) -> bool:
     return isinstance(value, FakeTensor)
 
 
+def concrete(value: Any) -> Any:
+    """A symbolic int or float of a dynamic-shape compile as the number it stands for this time
+    (its hint); any other value as it is."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = value.node.hint
+        return hint if hint is not None else value
+    return value
+
+
 def current_compile_id() -> str | None:
     """The id Dynamo gives the compile in progress ("0/0": frame 0, its first compile), else None."""
     from torch._guards import CompileContext

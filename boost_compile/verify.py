@@ -145,8 +145,8 @@ class Inputs:
                     y.requires_grad_(True)
                     leaves[name] = y
                 args.append(y)
-            else:
-                args.append(x)
+            else:  # a size of a dynamic-shape compile: the number it is for these inputs
+                args.append(compat.concrete(x))
         return args, leaves
 
     @property

@@ -138,3 +138,17 @@ def test_verify_leaves_the_callers_random_state_alone():
 def test_verify_true_is_a_switch():
     assert BoostConfig.from_options({"verify": True}).verify.enabled
     assert not BoostConfig.from_options({"group": False}).group.enabled
+
+
+def test_dynamic_shapes_are_verified_at_their_sizes():
+    """A dynamic-shape graph takes its sizes as symbolic ints: verify runs it at their values."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny"))
+    rec = Recorder(keep_partitions=False)
+    config = BoostConfig.from_options({"inner": "aot_eager", "verify": True})
+    fn = torch.compile(model, backend=lambda gm, ex: compile_graph(gm, ex, config, rec), dynamic=True)
+    fn(TOKENS, TOKENS).backward()
+    dynamic = [g for g in rec.graphs if any(isinstance(x, torch.SymInt) for x in g.view.example_inputs)]
+    assert dynamic
+    for graph in dynamic:
+        assert graph.verify.checks and all(c.status == "verified" for c in graph.verify.checks), graph.verify.lines()
