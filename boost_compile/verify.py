@@ -105,7 +105,15 @@ def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         node.args = fx.node.map_aggregate(node.args, widen)
         node.kwargs = fx.node.map_aggregate(node.kwargs, widen)
-    return fx.GraphModule(gm, graph)
+    wide = fx.GraphModule(gm, graph)
+    for node in graph.nodes:  # the graph's own constants (compile-time factors), widened on the copy
+        if node.op == "get_attr":
+            *path, leaf = str(node.target).split(".")
+            owner = wide.get_submodule(".".join(path)) if path else wide
+            value = getattr(owner, leaf)
+            if isinstance(value, torch.Tensor) and value.dtype in _NARROW_FLOATS:
+                setattr(owner, leaf, value.detach().to(torch.float64))
+    return wide
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:
@@ -285,6 +293,17 @@ class Verifier:
     def fresh_captured(self) -> fx.GraphModule:
         """A new copy of the captured graph (an inner compiler takes ownership of what it is given)."""
         return fx.GraphModule(self.captured, copy_graph(self.captured.graph))
+
+    def rebase(self, stage: str, gm: fx.GraphModule) -> None:
+        """``gm`` changes the function by design (``stage`` approximates): it becomes the reference."""
+        self.report.checks.append(Check(stage, "unverified", "an approximation by design; later stages are "
+                                        "compared with its graph"))
+        self.captured = fx.GraphModule(gm, copy_graph(gm.graph))
+        try:
+            self.eager = run(self.captured, self.inputs, fp64=False, backward=self.backward)
+            self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=self.backward)
+        except Exception as e:  # noqa: BLE001
+            self.report.unavailable = f"the graph after {stage} could not be run as a reference: {_one_line(e)}"
 
     def unverified(self, stage: str, why: str) -> None:
         if self.available:

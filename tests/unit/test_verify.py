@@ -8,6 +8,7 @@ strict mode raises. A correct compile is reported verified, stage by stage.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import pytest
 import torch
@@ -152,3 +153,14 @@ def test_dynamic_shapes_are_verified_at_their_sizes():
     assert dynamic
     for graph in dynamic:
         assert graph.verify.checks and all(c.status == "verified" for c in graph.verify.checks), graph.verify.lines()
+
+
+def test_compile_time_factorize_is_reported_and_later_passes_compared_with_its_graph():
+    """factorize approximates by design: not dropped; group_linears is judged against its graph."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny-dense")).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", VerifyWarning)
+        report = explain(model, TOKENS, options={"inner": "aot_eager", "verify": True, "factorize": {"rank": 4}})
+    statuses = [(c.stage, c.status) for c in report.graphs[0].verify.checks]
+    assert statuses == [("factorize", "unverified"), ("group_linears", "verified"), ("compiled (aot_eager)", "verified")]
