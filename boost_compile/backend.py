@@ -109,7 +109,7 @@ def _verifier(gm: fx.GraphModule, example_inputs: Sequence[Any], config: BoostCo
     if not config.verify.enabled:
         return None
     name = compat.current_compile_id() or (str(record.index) if record is not None else "?")
-    verifier = Verifier(gm, example_inputs, ctx.needs_grad(), config.strict, name)
+    verifier = Verifier(gm, example_inputs, ctx.needs_grad(), config.strict, name, config.verify.max_gib)
     if record is not None:
         record.verify = verifier.report
     return verifier

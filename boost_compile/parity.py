@@ -39,12 +39,18 @@ ZERO_IN_EXACT = 1e-9
 def rel_err(value: torch.Tensor, ref: torch.Tensor, scale: float = 0.0) -> float:
     """``||value - ref|| / max(||ref||, TINY)`` in fp64; against ``scale`` where ``ref`` is
     zero in exact arithmetic (its norm below ``ZERO_IN_EXACT * scale``)."""
-    value, ref = value.detach().double(), ref.detach().double()
+    wide = torch.complex128 if value.is_complex() or ref.is_complex() else torch.float64
+    value, ref = value.detach().to(wide), ref.detach().to(wide)
     if value.shape != ref.shape:
         return math.inf
     norm = ref.norm().item()
     den = scale if norm <= ZERO_IN_EXACT * scale else norm
     return (value - ref).norm().item() / max(den, TINY)
+
+
+def norm64(t: torch.Tensor) -> float:
+    """``||t||`` in float64 (complex128 for a complex tensor)."""
+    return t.detach().to(torch.complex128 if t.is_complex() else torch.float64).norm().item()
 
 
 def bound(eager_err: float, dtype: torch.dtype) -> float:
@@ -76,7 +82,7 @@ def compare(
     A tensor eager has and the tested run lacks (a gradient gone missing), or one that is
     not finite where eager's is, always breaks it; one eager itself lacks is not judged.
     """
-    scale = max((t.detach().double().norm().item() for t in truth.values() if t is not None), default=0.0)
+    scale = max((norm64(t) for t in truth.values() if t is not None), default=0.0)
     bad = []
     for name, ref in truth.items():
         e = eager.get(name)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,19 @@ def _why_unverifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
     return _collectives(gm)
 
 
+#: What a reference holds, in copies of the inputs' bytes: a copy per run in their dtype, one in
+#: float64 (twice the bytes), and the eager and float64 gradients of the parameters kept.
+_COPIES_HELD = 6
+
+
+def _too_large(example_inputs: Sequence[Any], max_gib: float) -> str | None:
+    size = sum(x.numel() * x.element_size() for x in example_inputs if isinstance(x, torch.Tensor))
+    need = _COPIES_HELD * size / 2**30
+    if need > max_gib:
+        return f"its reference would hold about {need:.1f} GiB, over verify.max_gib={max_gib:g}"
+    return None
+
+
 def _collectives(gm: fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method") and is_collective(node):
@@ -231,14 +245,14 @@ class Verifier:
     """The reference of one graph and the checks of each stage against it."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], backward: bool, strict: bool,
-                 graph_name: str) -> None:
+                 graph_name: str, max_gib: float = math.inf) -> None:
         self.report = VerifyReport()
         self.backward = backward
         self.strict = strict
         self.graph_name = graph_name
         self.captured = fx.GraphModule(gm, copy_graph(gm.graph))
         self.inputs = Inputs(gm, example_inputs)
-        self.report.unavailable = _why_unverifiable(gm, example_inputs)
+        self.report.unavailable = _why_unverifiable(gm, example_inputs) or _too_large(example_inputs, max_gib)
         self.eager: Run | None = None
         self.truth: Run | None = None
         self.dtype = _float_dtype(example_inputs)
@@ -312,7 +326,7 @@ class Verifier:
     # -- helpers --------------------------------------------------------------------
 
     def _worst(self, tested: Run) -> str:
-        scale = max((t.double().norm().item() for t in self.truth.values.values() if t is not None), default=0.0)
+        scale = max((parity.norm64(t) for t in self.truth.values.values() if t is not None), default=0.0)
         worst = 0.0
         for name, ref in self.truth.values.items():
             t, e = tested.values.get(name), self.eager.values.get(name)

@@ -70,7 +70,7 @@ def planted(monkeypatch):
 
 def compile_recorded(model, **options):
     rec = Recorder(keep_partitions=False)
-    config = BoostConfig.from_options({"inner": "aot_eager", "verify": True, **options})
+    config = BoostConfig.from_options({"inner": "aot_eager", "verify": True} | options)
     fn = torch.compile(model, backend=lambda gm, ex: compile_graph(gm, ex, config, rec), fullgraph=True)
     return fn, rec
 
@@ -164,3 +164,14 @@ def test_compile_time_factorize_is_reported_and_later_passes_compared_with_its_g
         report = explain(model, TOKENS, options={"inner": "aot_eager", "verify": True, "factorize": {"rank": 4}})
     statuses = [(c.stage, c.status) for c in report.graphs[0].verify.checks]
     assert statuses == [("factorize", "unverified"), ("group_linears", "verified"), ("compiled (aot_eager)", "verified")]
+
+
+def test_a_graph_past_max_gib_is_reported_not_verified():
+    fn, rec = compile_recorded(TwoHeads(), verify={"max_gib": 1e-9})
+    fn(torch.randn(3, 8))
+    assert "over verify.max_gib=1e-09" in rec.graphs[0].verify.unavailable
+
+
+def test_verify_is_on_by_default_and_false_turns_it_off():
+    assert BoostConfig().verify.enabled
+    assert not BoostConfig.from_options({"verify": False}).verify.enabled
