@@ -88,7 +88,19 @@ def _why_not(members: list[LinearSite], ctx: PassContext, order: dict[fx.Node, i
     for m in members:
         if m.bias is not None and not ctx.view.is_param(m.bias):
             return f"{m.name}: bias is computed in the graph, not a parameter"
+    roles = {m.name: _tp_role(m.weight, ctx) for m in members}
+    if len(set(roles.values())) > 1:
+        # one GEMM has one input gradient: a column-parallel member's is this rank's partial sum
+        # (all-reduced), a replicated member's is whole (MLA without a q latent: q_proj beside
+        # kv_a_proj_with_mqa)
+        return f"members have different tensor-parallel roles {roles}"
     return None
+
+
+def _tp_role(weight: fx.Node, ctx: PassContext) -> str:
+    """The role ``parallelize_`` gave the parameter behind ``weight`` ("replicate" when none)."""
+    spec = getattr(ctx.view.example_of(weight), "_boost_tp", None)
+    return spec.role if spec is not None else "replicate"
 
 
 def _dtype(node: fx.Node) -> torch.dtype | None:

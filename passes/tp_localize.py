@@ -53,6 +53,7 @@ from boost_compile.analysis import GraphView, LayerNormSite, RMSNormSite
 from boost_compile.analysis.fx_utils import LINEAR_TARGETS, is_custom_op, is_full_view, module_path
 from boost_compile.distributed import tp_random
 from boost_compile.distributed.collectives import (
+    copy_to_tp,
     gather_from_tp,
     local_size,
     scatter_to_tp,
@@ -66,6 +67,7 @@ from boost_compile.passes.tp_op_rules import (
     FIRST_ARG_ONLY,
     LIKE_FACTORIES,
     MATMUL,
+    NEW_TENSORS,
     REDUCTIONS,
     SDPA,
     SOFTMAX,
@@ -144,6 +146,7 @@ class _Localizer(ShapeRules):
         self.place: dict[fx.Node, Any] = {}
         self.full = {n: _shape_of(n) for n in self.graph.nodes}
         self.scattered: dict[fx.Node, fx.Node] = {}
+        self.narrowed: dict[tuple[fx.Node, int], fx.Node] = {}  # a replicated expand, expanded to this rank's part
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.repairs: list[str] = []
         self.exempt: set[fx.Node] = set()  # reductions inside an RMSNorm site on a sharded input
@@ -331,6 +334,10 @@ class _Localizer(ShapeRules):
                          "use F.dropout or nn.Dropout there, which tp_localize gives each rank its own stream")
         if node.op == "call_function" and t in LIKE_FACTORIES:
             return self.place[node.args[0]]
+        if node.op == "call_method" and t in NEW_TENSORS:
+            return self._new_tensor(node)
+        if node.op == "call_method" and t == "copy_":
+            return self._copy_into(node)
         if node.op == "call_function" and t in ELEMENTWISE_FUNCTIONS or (node.op == "call_method" and t in ELEMENTWISE_METHODS):
             return self._elementwise(node)
         self._refuse(node, f"{fn_name(node)} has a sharded input and no sharding rule",
@@ -456,8 +463,65 @@ class _Localizer(ShapeRules):
                 self._scatter_input(node, x, xd)
         return Sharded(od, sections)
 
+    def _copy_into(self, node: fx.Node) -> Placement:
+        """``dst.copy_(src)``, an in-place write into a buffer or a view of one (DeepSeek's
+        ``key_states[..., :nope].copy_(k_nope)``): ``src`` must be cut as ``dst`` is. A replicated
+        ``src`` is sliced to ``dst``'s part (where it is not broadcast); a sharded ``src`` copied into
+        a buffer every rank holds whole is gathered; cut on another dim, refused."""
+        dst, src = node.args[0], node.args[1]
+        if not isinstance(src, fx.Node) or self.full.get(src) is None or self.full.get(dst) is None:
+            self._refuse(node, "copy_ with a sharded tensor and something that is not a tensor", "")
+        pd, ps = self.place.get(dst), self.place.get(src)
+        if pd is None:
+            self._gather_input(node, src, "copied into a tensor every rank holds whole")
+            return None
+        sd = pd.dim - (len(self.full[dst]) - len(self.full[src]))  # src's dim under dst's cut
+        if ps is None:
+            if sd >= 0 and not is_one(self.full[src][sd]):
+                self._scatter_input(node, src, sd)
+            return pd
+        if ps.dim != sd or ps.sections != pd.sections:
+            self._refuse(node, f"copy_ of a tensor sharded on dim {ps.dim} into one sharded on dim {pd.dim}",
+                         "the buffer and what is written into it must be cut alike (whole heads on each rank)")
+        return pd
+
+    def _expand_to_local(self, node: fx.Node, x: fx.Node, dim: int) -> bool:
+        """``x = t.expand(...)`` replicated, broadcasting a size-1 dim of ``t`` to ``dim``, meets a tensor
+        cut on ``dim`` (the rope key all heads of multi-head latent attention share, next to this
+        rank's heads): ``t`` is expanded to this rank's part of ``dim`` instead. Its gradient there is
+        the sum over this rank's part alone, so ``t`` enters through ``copy_to_tp`` (identity forward,
+        all-reduce of the gradient in backward). False when ``x`` is not such an expand."""
+        if not (x.op == "call_method" and x.target == "expand") or not isinstance(x.args[0], fx.Node):
+            return False
+        t = x.args[0]
+        whole, tshape = self.full[x], self.full.get(t)
+        if self.place.get(t) is not None or tshape is None or hint(whole[dim]) % self.world:
+            return False
+        td = dim - (len(whole) - len(tshape))
+        if td >= 0 and not is_one(tshape[td]):
+            return False
+        key = (x, dim)
+        if key not in self.narrowed:
+            with self.graph.inserting_after(x):
+                summed = self.graph.call_function(copy_to_tp, (t, self.group))
+            with self.graph.inserting_after(summed):
+                local = self.graph.call_method("expand", (summed, *x.args[1:]), dict(x.kwargs))
+            summed.meta, local.meta = dict(t.meta), dict(x.meta)
+            self.place[summed], self.full[summed] = None, tshape
+            self.place[local], self.full[local] = Sharded(dim), whole
+            summed.meta[PLACEMENT_KEY], local.meta[PLACEMENT_KEY] = None, Sharded(dim)
+            self._rewrite_size(local, dim, whole)
+            self.narrowed[key] = local
+            self.repairs.append(f"expand {x.name} {self._shape_str(x)} to this rank's part of dim {dim}, for "
+                                f"{self._where(node)} (a replicated tensor broadcast over a sharded dim); "
+                                f"its input's gradient summed over the group")
+        node.replace_input_with(x, self.narrowed[key])
+        return True
+
     def _scatter_input(self, node: fx.Node, x: fx.Node, dim: int) -> None:
         """``x`` is whole on every rank but ``node`` combines it with a sharded tensor: take this rank's slice."""
+        if dim != len(self.full[x]) - 1 and self._expand_to_local(node, x, dim):
+            return
         if dim != len(self.full[x]) - 1:
             self._refuse(node, f"a replicated input {x.name} {self._shape_str(x)} would have to be sliced on dim {dim}, not the last", "")
         if x not in self.scattered:

@@ -274,6 +274,42 @@ class ShapeRules:
             self._refuse(node, "repeat_interleave of a sharded tensor with per-element repeats or no dim", "")
         return Sharded(p.dim, p.sections if dim % len(self.full[x]) != p.dim else None)
 
+    def _new_tensor(self, node: fx.Node) -> Placement:
+        """``x.new_empty(sizes)`` (``new_zeros``, ``new_ones``, ``new_full``): a tensor that holds none
+        of ``x``'s values, so any cut of it is exact. It follows ``x``'s cut when it has ``x``'s rank
+        and ``x``'s whole size on the sharded dim, the sizes written out as numbers (a buffer over
+        this rank's heads: DeepSeek's ``key_states``, filled by ``copy_`` of the heads' parts);
+        otherwise every rank makes it whole. What is written into it is checked by ``copy_``'s rule."""
+        x = node.args[0]
+        p = self.place[x]
+        src, dst = self.full[x], self.full[node]
+        if dst is None:
+            self._refuse(node, f"{fn_name(node)} of a sharded tensor with no tensor output", "")
+        if p.sections or len(dst) != len(src) or not dims_equal(dst[p.dim], src[p.dim]):
+            return None
+        args, kwargs = list(node.args), dict(node.kwargs)
+        if "size" in kwargs:
+            sizes, where = list(kwargs["size"]), "size"
+        elif fn_name(node) == "new_full" or (len(args) > 1 and isinstance(args[1], (list, tuple, torch.Size))):
+            sizes, where = list(args[1]), 1
+        else:
+            sizes, where = args[1:], None
+        if len(sizes) != len(dst) or not all(isinstance(v, int) for v in sizes):
+            self._refuse(node, f"{fn_name(node)} of a buffer cut like its sharded input, with sizes {sizes} that are not "
+                         "numbers", "use static shapes for the sharded dims")
+        before = tuple(sizes)
+        sizes[p.dim] = local_size(sizes[p.dim], self.world)
+        if where == "size":
+            node.kwargs = {**kwargs, "size": tuple(sizes)}
+        elif where == 1:
+            args[1] = tuple(sizes)
+            node.args = tuple(args)
+        else:
+            node.args = (args[0], *sizes)
+        self.repairs.append(f"repaired {fn_name(node)}{before} -> {tuple(sizes)} at {self._where(node)} "
+                            f"(a buffer cut like {x.name} on dim {p.dim})")
+        return Sharded(p.dim)
+
     def _last_two_whole(self, node: fx.Node) -> Placement:
         p = self.place[node.args[0]]
         if p.dim >= len(self.full[node]) - 2:
@@ -392,6 +428,8 @@ VIEWS = {"view", "reshape"}
 SPLITS = {"split", "chunk", "unbind", "split_with_sizes", "tensor_split"}
 MATMUL = {operator.matmul, torch.matmul, torch.bmm, torch.mm}
 SDPA = {F.scaled_dot_product_attention, compat.TORCH_SDPA}
+#: ``x.new_*(sizes)``: tensors of x's dtype and device that hold none of its values
+NEW_TENSORS = {"new_empty", "new_zeros", "new_ones", "new_full"}
 LIKE_FACTORIES = {torch.ones_like, torch.zeros_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like}
 
 

@@ -15,7 +15,11 @@ Plans (BOOST.md section 2):
   (online RMSNorm). The stream is all-gathered once before the final norm,
   which is replicated.
 - ``"megatron"``: dense blocks; q/k/v/gate/up column-parallel, o/down row-parallel,
-  the embedding and the final norm replicated.
+  the embedding and the final norm replicated. A projection whose output reaches
+  another projection that is not the block's output (multi-head latent attention's
+  q_a_proj / kv_a_proj_with_mqa) is replicated, with the latent norm after it; the
+  up projections it feeds are column-parallel (split by heads), and the rope key
+  that all heads share is expanded to this rank's heads.
 
 Under both, the output head is vocabulary-parallel (``vocab_parallel=True``): its
 weight is cut on V (column-parallel; a vocabulary the TP degree does not divide
@@ -212,7 +216,10 @@ def parallelize_(
                 raise ParallelizeError(f"{down}: a bias on a row-parallel down factor is not supported")
     else:  # megatron
         for weight, layout, role in roles.dense:
-            specs[weight] = spec(role, gemm_dim(layout, role), weight if role == "col" else None)
+            if role == "replicate":  # a down projection into another projection (MLA): whole on every rank
+                specs[weight] = spec("replicate", None)
+            else:
+                specs[weight] = spec(role, gemm_dim(layout, role), weight if role == "col" else None)
             if weight in roles.biases:
                 specs[roles.biases[weight]] = spec("shard", 0, weight) if role == "col" else spec("replicate", None)
 

@@ -28,7 +28,9 @@ class Roles:
     shardable_embeddings: list[str]  # weights of embeddings that feed the stream and nothing else
     block_norms: list[str]  # weights and biases of the norms inside the blocks (cut on d under btp)
     chains: list[tuple[str, str, str, str]]  # (down weight, down layout, up weight, up layout)
-    dense: list[tuple[str, str, str]]  # (weight, layout, "row"|"col")
+    # (weight, layout, "row"|"col"|"replicate"); "replicate": a down projection whose output reaches
+    # another projection (MLA's q_a_proj, kv_a_proj_with_mqa), which megatron keeps whole
+    dense: list[tuple[str, str, str]]
     biases: dict[str, str]  # weight -> bias
     sections: dict[str, tuple[int, ...]]  # column-parallel weight -> whole sizes of its output's split
     heads: list[tuple[str, str, str | None]]  # untied output heads: (weight, layout, bias)
@@ -67,10 +69,19 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
         if (parts := _split_sections(c.up.node)) is not None:
             sections[c.up.param_name] = parts
     dense = []
-    for site in view.block_linears:
-        if site.node in in_chain:
-            continue
-        role = "row" if _feeds_stream(site.node, stream_set, view) else "col"
+    sites = [s for s in view.block_linears if s.node not in in_chain]
+    rows = {s.node for s in sites if _feeds_stream(s.node, stream_set, view)}
+    others = {s.node for s in sites} - rows  # the block linears that are not row-parallel
+    for site in sites:
+        if site.node in rows:
+            role = "row"
+        elif _linears_reached(site.node, stream_set, view) & others:
+            # a down projection into another projection that is not the block's output (MLA's
+            # q_a_proj -> q_a_layernorm -> q_b_proj): cut, its output would reach a column-parallel
+            # GEMM already sharded; Megatron-LM keeps it (and the latent norm after it) whole
+            role = "replicate"
+        else:
+            role = "col"
         dense.append((site.param_name, site.layout, role))
         if role == "col" and (parts := _split_sections(site.node)) is not None:
             sections[site.param_name] = parts
@@ -200,6 +211,21 @@ def _feeds_stream(node: fx.Node, stream: set[fx.Node], view: GraphView) -> bool:
             continue
         todo.extend(n.users)
     return False
+
+
+def _linears_reached(node: fx.Node, stream: set[fx.Node], view: GraphView) -> set[fx.Node]:
+    """The linears the output reaches without passing another linear or the residual stream."""
+    seen, todo, found = set(), list(node.users), set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stream:
+            continue
+        seen.add(n)
+        if n in view.linear_by_node:
+            found.add(n)
+            continue
+        todo.extend(n.users)
+    return found
 
 
 def gemm_dim(layout: str, role: str) -> int:
