@@ -44,5 +44,13 @@ bench: $(STAMP)
 bench-compile: $(STAMP)
 	$(PY) benchmarks/compile_overhead.py
 
+# every causal-LM architecture of transformers, tiny, one forward+backward through boost (aot_eager)
+# against eager and float64, then a sample under Inductor, one of each structure: dense Llama-like,
+# latent attention (MLA), experts as 3-D weights, a Mamba hybrid; tables in benchmarks/zoo/
+ZOO_INDUCTOR ?= llama,deepseek_v3,qwen3_moe,jamba
+zoo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --out benchmarks/zoo
+	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --inner inductor --only $(ZOO_INDUCTOR) --out benchmarks/zoo --stem zoo-inductor
+
 clean:
 	rm -rf $(VENV) explain_out .pytest_cache
