@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import ACTIVATION_TARGETS, remove_dead_code
+from boost_compile.analysis import ACTIVATION_TARGETS, remove_dead_code, unused_nodes
 from boost_compile.factorize import cola_factors, saves_parameters, svd_factors
 from boost_compile.models.lowrank import break_even_rank
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
@@ -47,6 +47,7 @@ class FactorizePass(GraphPass):
         return self.config.factorize
 
     def run(self, ctx: PassContext) -> PassReport:
+        unused = unused_nodes(ctx.gm.graph)  # what the captured graph leaves unused stays
         cfg = self.config.factorize
         assert cfg is not None
         if ctx.needs_grad():
@@ -92,7 +93,7 @@ class FactorizePass(GraphPass):
             graph.erase_node(site.node)
             report.rewritten.append(site.name)
             report.details[site.name] = {"d_in": site.d_in, "d_out": site.d_out, "rank": rank}
-        remove_dead_code(graph)
+        remove_dead_code(graph, unused)
         return report
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis import LinearSite, remove_dead_code
+from boost_compile.analysis import LinearSite, remove_dead_code, unused_nodes
+from boost_compile.analysis.fx_utils import node_target_name, written_in_place
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
 
@@ -43,6 +44,7 @@ class GroupLinearsPass(GraphPass):
         return self.config.group
 
     def run(self, ctx: PassContext) -> PassReport:
+        unused = unused_nodes(ctx.gm.graph)  # what the captured graph leaves unused stays
         report = PassReport(self.name)
         if ctx.has_dtensor:
             report.not_applicable = "DTensor parameters (PyTorch's own tensor parallelism)"
@@ -68,7 +70,7 @@ class GroupLinearsPass(GraphPass):
                     "d_in": members[0].d_in,
                     "d_out": [m.d_out for m in members],
                 }
-        remove_dead_code(ctx.gm.graph)
+        remove_dead_code(ctx.gm.graph, unused)
         return report
 
 
@@ -88,6 +90,11 @@ def _why_not(members: list[LinearSite], ctx: PassContext, order: dict[fx.Node, i
     for m in members:
         if m.bias is not None and not ctx.view.is_param(m.bias):
             return f"{m.name}: bias is computed in the graph, not a parameter"
+    for m in members:
+        if (writer := written_in_place(m.node)) is not None:
+            # a view of the grouped output's split cannot be written in place (autograd refuses
+            # it): Gemma 3n's ``per_layer_projection *= scale``
+            return f"{m.name}: its output is written in place ({node_target_name(writer)} at {writer.name})"
     roles = {m.name: _tp_role(m.weight, ctx) for m in members}
     if len(set(roles.values())) > 1:
         # one GEMM has one input gradient: a column-parallel member's is this rank's partial sum

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from boost_compile.analysis import RMSNormSite, meta_tensor, remove_dead_code
+from boost_compile.analysis import RMSNormSite, meta_tensor, remove_dead_code, unused_nodes
 from boost_compile.pass_manager import GraphPass, PassContext, PassReport
 
 
@@ -44,6 +44,7 @@ class RMSNormPass(GraphPass):
         return self.config.rmsnorm
 
     def run(self, ctx: PassContext) -> PassReport:
+        unused = unused_nodes(ctx.gm.graph)  # what the captured graph leaves unused stays
         import boost_compile.kernels  # noqa: F401  (registers torch.ops.boost)
 
         report = PassReport(self.name)
@@ -75,7 +76,7 @@ class RMSNormPass(GraphPass):
             site.output.replace_all_uses_with(y)
             report.rewritten.append(site.name)
             report.details[site.name] = {"form": site.form, "eps": eps, "offset": site.weight_offset}
-        remove_dead_code(graph)
+        remove_dead_code(graph, unused)
         return report
 
 

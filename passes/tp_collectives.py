@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from boost_compile.analysis import LayerNormSite, RMSNormSite, remove_dead_code
+from boost_compile.analysis import LayerNormSite, RMSNormSite, remove_dead_code, unused_nodes
 from boost_compile.analysis.fx_utils import LATENT_OP_METHODS, LATENT_OP_TARGETS, LINEAR_TARGETS
 from boost_compile.distributed.collectives import copy_to_tp, reduce_from_tp
 from boost_compile.distributed.shard import ParallelizeError, ShardSpec
@@ -81,6 +81,7 @@ class TPCollectivesPass(TPPass):
     name = "tp_collectives"
 
     def run(self, ctx: PassContext) -> PassReport:
+        unused = unused_nodes(ctx.gm.graph)  # what the captured graph leaves unused stays
         report = PassReport(self.name)
         graph = ctx.gm.graph
         specs = shard_specs(ctx)
@@ -159,7 +160,7 @@ class TPCollectivesPass(TPPass):
             if top is x:
                 node.replace_input_with(x, copies[top])
         report.details = {"plan": next(iter(specs.values())).plan if specs else None, "collectives": collectives}
-        remove_dead_code(graph)
+        remove_dead_code(graph, unused)
         return report
 
 

@@ -11,6 +11,7 @@ from boost_compile.analysis.fx_utils import (
     mutates,
     remove_dead_code,
     source_to_fqn,
+    unused_nodes,
 )
 from boost_compile.analysis.norm_match import LayerNormSite, RMSNormSite
 from boost_compile.analysis.view import BottleneckChain, GraphView, LinearSite, SiblingGroup
@@ -31,4 +32,5 @@ __all__ = [
     "private_forward",
     "remove_dead_code",
     "source_to_fqn",
+    "unused_nodes",
 ]

@@ -317,10 +317,43 @@ def mutates(node: fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def remove_dead_code(graph: fx.Graph) -> bool:
-    """``graph.eliminate_dead_code()`` that keeps every node that :func:`mutates`.
+#: Tensor methods and functions whose output may share the input's memory (a view).
+_VIEW_NAMES = frozenset({
+    "view", "reshape", "transpose", "t", "permute", "unsqueeze", "squeeze", "flatten", "unflatten",
+    "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind", "tensor_split", "movedim",
+    "view_as", "as_strided", "diagonal", "unfold", "getitem", "__getitem__", "contiguous", "detach",
+})
 
-    Passes call this, never FX's own, after they rewire a graph: FX's would drop the
-    in-place writes whose results nobody reads (a silently different model).
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The first node that writes in place into ``node``'s output or a view of it, else None."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.args and user.args[0] is n and mutates(user):
+                return user
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if user.op in ("call_method", "call_function") and name in _VIEW_NAMES:
+                todo.append(user)
+    return None
+
+
+def unused_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
+    """The nodes nobody reads: take them before a pass, and keep them after it."""
+    return frozenset(n for n in graph.nodes if not n.users)
+
+
+def remove_dead_code(graph: fx.Graph, keep: frozenset[fx.Node] = frozenset()) -> bool:
+    """Remove what a pass left unused, keeping every node that :func:`mutates` and ``keep``.
+
+    Passes call this, never FX's own ``eliminate_dead_code``, after they rewire a graph:
+    FX's drops the in-place writes whose results nobody reads, and what Dynamo left unused
+    on purpose: Hugging Face's Mamba captures ``torch.vmap`` regions (``_vmap_increment_nesting``
+    ... ``_vmap_decrement_nesting``) in part, and removing them broke functorch's nesting. A pass
+    passes ``keep=unused_nodes(graph)`` taken before it, so only what it made dead goes.
     """
-    return graph.eliminate_dead_code(is_impure_node=mutates)
+    return graph.eliminate_dead_code(is_impure_node=lambda n: n in keep or mutates(n))

@@ -5,7 +5,11 @@ graph and then ran it dropped ``key[..., :16].copy_(k_nope)`` (Hugging Face's la
 DeepSeek-V2/V3 and MiniCPM3: the key then read uninitialised memory) and
 ``out.index_add_(0, idx, y)`` (gpt-oss's and Llama 4's experts: their weights got no gradient).
 The two models below are those constructs at their smallest, each beside a pair of linears
-that share an input, so group_linears rewrites the graph and cleans up after itself.
+that share an input, so group_linears rewrites the graph and cleans up after itself. A pass
+also keeps what the captured graph itself leaves unused (Hugging Face's Mamba captures parts
+of ``torch.vmap`` regions: removing them broke functorch's nesting), and group_linears leaves
+alone a member whose output is written in place (a view of a split cannot be: Gemma 3n).
+``verify`` is off in these tests: they check the passes themselves, not the safety net.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.fx as fx
 import torch.nn as nn
 from test_group_linears import check_parity, group_report
 
-from boost_compile.analysis import mutates, remove_dead_code
+from boost_compile.analysis import mutates, remove_dead_code, unused_nodes
 
 
 class LatentKey(nn.Module):
@@ -66,7 +70,7 @@ class IndexAddExperts(nn.Module):
 def test_grouped_graph_keeps_unread_inplace_writes(model_cls, written):
     torch.manual_seed(0)
     model = model_cls()
-    graph = check_parity(model, (torch.randn(2, 5, 32 if model_cls is LatentKey else 16),))
+    graph = check_parity(model, (torch.randn(2, 5, 32 if model_cls is LatentKey else 16),), verify=False)
     assert len(group_report(graph).rewritten) == 1
     # every in-place write of the captured graph is still in the rewritten one
     assert graph.stages[-1].op_counts.get(written) == graph.stages[0].op_counts.get(written) > 0
@@ -85,3 +89,49 @@ def test_mutates_and_remove_dead_code():
     assert not mutates(nodes["new_zeros"]) and not mutates(nodes["add"])
     assert remove_dead_code(graph)
     assert [n.name for n in graph.nodes] == ["x", "new_zeros", "getitem", "copy_", "add__tensor", "output"]
+
+
+def test_what_the_captured_graph_leaves_unused_stays():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch.neg, (x,))  # unused before the pass: kept
+    keep = unused_nodes(graph)
+    graph.call_function(torch.abs, (x,))  # made unused by "the pass": removed
+    graph.output(x)
+    assert remove_dead_code(graph, keep)
+    assert [n.name for n in graph.nodes] == ["x", "neg", "output"]
+
+
+class ScaledInPlace(nn.Module):
+    """Two linears on one input; one output scaled in place through a view (Gemma 3n's
+    ``per_layer_projection *= scale``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 12)
+        self.b = nn.Linear(8, 12)
+
+    def forward(self, x):
+        y = self.a(x).reshape(*x.shape[:-1], 3, 4)
+        y *= 0.5
+        return y.flatten(-2) * self.b(x)
+
+
+def test_a_member_written_in_place_is_not_grouped():
+    torch.manual_seed(0)
+    graph = check_parity(ScaledInPlace(), (torch.randn(2, 5, 8),), verify=False)
+    report = group_report(graph)
+    assert not report.rewritten
+    ((site, why),) = report.skipped
+    assert site == "a+b" and why.startswith("a: its output is written in place (operator.imul at ")
+
+
+def test_hugging_face_mamba_is_exact_with_grouping_on():
+    """Its graph holds unused vmap bookkeeping that a pass must not remove (verify off)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, state_size=8, num_hidden_layers=1,
+                                         expand=2, conv_kernel=4, time_step_rank=4))
+    tokens = torch.randint(0, 128, (2, 8))
+    check_parity(model, (tokens,), verify=False, loss_fn=lambda out: out.logits.float().logsumexp(-1).mean())
