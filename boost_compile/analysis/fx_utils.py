@@ -355,5 +355,15 @@ def remove_dead_code(graph: fx.Graph, keep: frozenset[fx.Node] = frozenset()) ->
     on purpose: Hugging Face's Mamba captures ``torch.vmap`` regions (``_vmap_increment_nesting``
     ... ``_vmap_decrement_nesting``) in part, and removing them broke functorch's nesting. A pass
     passes ``keep=unused_nodes(graph)`` taken before it, so only what it made dead goes.
+
+    Only ``graph`` itself: FX's would also clean the subgraphs of higher-order ops (an
+    ``autograd.Function``'s forward and backward bodies) with its own purity test, and dropped
+    the ``scatter_add_`` in PhiMoE's router backward (its gradients silently wrong). A pass
+    never rewrites those bodies, so nothing in them is its to remove.
     """
-    return graph.eliminate_dead_code(is_impure_node=lambda n: n in keep or mutates(n))
+    removed = False
+    for node in reversed(graph.nodes):
+        if not node.users and node.op not in ("placeholder", "output") and node not in keep and not mutates(node):
+            graph.erase_node(node)
+            removed = True
+    return removed

@@ -135,3 +135,37 @@ def test_hugging_face_mamba_is_exact_with_grouping_on():
                                          expand=2, conv_kernel=4, time_step_rank=4))
     tokens = torch.randint(0, 128, (2, 8))
     check_parity(model, (tokens,), verify=False, loss_fn=lambda out: out.logits.float().logsumexp(-1).mean())
+
+
+class _ScatterBackward(torch.autograd.Function):
+    """A backward that adds into its gradient in place, its result unread (PhiMoE's router)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad * 2
+        out.scatter_add_(-1, index, grad)
+        return out, None
+
+
+class FunctionWithInplaceBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        index = torch.zeros(*x.shape[:-1], 4, dtype=torch.long)
+        return _ScatterBackward.apply(self.a(x), index) * self.b(x)
+
+
+def test_a_pass_leaves_the_bodies_of_autograd_functions_alone():
+    """FX's dead-code removal recursed into the backward body and dropped its scatter_add_."""
+    torch.manual_seed(0)
+    graph = check_parity(FunctionWithInplaceBackward(), (torch.randn(2, 3, 8),), verify=False)
+    assert len(group_report(graph).rewritten) == 1
