@@ -45,11 +45,13 @@ bench-compile: $(STAMP)
 	$(PY) benchmarks/compile_overhead.py
 
 # every causal-LM architecture of transformers, tiny, one forward+backward through boost (aot_eager)
-# against eager and float64, then a sample under Inductor, one of each structure: dense Llama-like,
-# latent attention (MLA), experts as 3-D weights, a Mamba hybrid; tables in benchmarks/zoo/
+# against eager and float64 (zoo.md), the same with verify off: the passes alone (zoo-noverify.md),
+# then a sample under Inductor, one of each structure: dense Llama-like, latent attention (MLA),
+# experts as 3-D weights, a Mamba hybrid (zoo-inductor.md); tables in benchmarks/zoo/
 ZOO_INDUCTOR ?= llama,deepseek_v3,qwen3_moe,jamba
 zoo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --out benchmarks/zoo
+	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --options '{"verify": false}' --out benchmarks/zoo --stem zoo-noverify
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --inner inductor --only $(ZOO_INDUCTOR) --out benchmarks/zoo --stem zoo-inductor
 
 clean:

@@ -320,6 +320,11 @@ def concrete(value: Any) -> Any:
     return value
 
 
+def reset_dynamo() -> None:
+    """Forget every compiled frame and guard (``torch._dynamo.reset``): a fresh start per model."""
+    torch._dynamo.reset()
+
+
 def current_compile_id() -> str | None:
     """The id Dynamo gives the compile in progress ("0/0": frame 0, its first compile), else None."""
     from torch._guards import CompileContext
