@@ -148,8 +148,7 @@ class Inputs:
         args, leaves = [], {}
         for name, x in zip(self.names, self.example, strict=False):
             if isinstance(x, torch.Tensor):
-                y = x.detach()
-                y = y.to(torch.float64) if fp64 and y.dtype in _NARROW_FLOATS else y.clone()
+                y = _copy_keeping_strides(x.detach(), torch.float64 if fp64 and x.dtype in _NARROW_FLOATS else x.dtype)
                 if x.requires_grad:
                     y.requires_grad_(True)
                     leaves[name] = y
@@ -162,6 +161,17 @@ class Inputs:
     def devices(self) -> list[torch.device]:
         return sorted({x.device for x in self.example if isinstance(x, torch.Tensor) and x.device.type != "cpu"},
                       key=str)
+
+
+def _copy_keeping_strides(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``x`` in ``dtype`` with ``x``'s sizes and strides: an Inductor graph checks its
+    inputs' strides (a non-contiguous slice of a wider tensor stays one). A layout that cannot
+    be written (a broadcast view) is copied contiguous, as the graph's own inputs then are."""
+    try:
+        y = torch.empty_strided(x.size(), x.stride(), dtype=dtype, device=x.device)
+        return y.copy_(x)
+    except RuntimeError:
+        return x.to(dtype).clone()
 
 
 def _input_name(node: fx.Node) -> str:

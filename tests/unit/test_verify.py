@@ -175,3 +175,16 @@ def test_a_graph_past_max_gib_is_reported_not_verified():
 def test_verify_is_on_by_default_and_false_turns_it_off():
     assert BoostConfig().verify.enabled
     assert not BoostConfig.from_options({"verify": False}).verify.enabled
+
+
+def test_the_runs_inputs_keep_the_example_inputs_strides():
+    """An Inductor graph asserts its inputs' strides: a slice of a wider tensor must stay one."""
+    from boost_compile.verify import Inputs
+
+    wide = torch.randn(4, 16)
+    sliced, broadcast = wide[:, :8], torch.randn(1, 8).expand(4, 8)
+    gm = torch.fx.symbolic_trace(lambda a, b: a + b)
+    for fp64 in (False, True):
+        (a, b), _ = Inputs(gm, [sliced, broadcast]).fresh(fp64)
+        assert a.stride() == sliced.stride() and torch.equal(a.float(), sliced)
+        assert torch.equal(b.float(), broadcast)  # a broadcast view is copied whole
