@@ -33,7 +33,7 @@ from boost_compile import _torch_compat as compat
 from boost_compile import trace
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
-from boost_compile.verify import Verifier, copy_graph
+from boost_compile.verify import Verifier, code_of, snapshot
 
 log = logging.getLogger("boost_compile")
 
@@ -237,17 +237,16 @@ def run_graph_passes(
     for p in passes:
         if not p.enabled():
             continue
-        before = copy_graph(ctx.gm.graph) if verifier is not None and verifier.available else None
-        code = ctx.gm.code if before is not None else None
+        before = snapshot(ctx.gm) if verifier is not None and verifier.available else None
         report = p.run(ctx)
         ctx.gm.graph.lint()
         ctx.gm.recompile()
         ctx.invalidate()
-        if before is not None and ctx.gm.code != code and not p.exact:
+        changed = before is not None and code_of(ctx.gm) != before.code
+        if changed and not p.exact:
             verifier.rebase(p.name, ctx.gm)
-        elif before is not None and ctx.gm.code != code and not verifier.check_pass(p.name, before, ctx.gm):
-            ctx.gm.graph = before
-            ctx.gm.recompile()
+        elif changed and not verifier.check_pass(p.name, before.graph, ctx.gm):
+            before.restore(ctx.gm)
             report.dropped = True
         reports.append(report)
         log.info("%s", report.line())

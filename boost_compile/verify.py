@@ -28,6 +28,7 @@ parallelism: each rank's program is part of a whole), fake example inputs, CUDA 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import warnings
@@ -126,6 +127,42 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     for old, copied in val_map.items():
         compat.copy_dynamo_node_attributes(old, copied)
     return new
+
+
+def own_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that shares no graph with it: the subgraphs of its higher-order ops (an
+    ``autograd.Function``'s bodies) copied too, so a pass that edits them cannot edit the reference."""
+    new = fx.GraphModule(gm, copy_graph(gm.graph))
+    for name, child in list(new.named_children()):
+        if isinstance(child, fx.GraphModule):
+            setattr(new, name, copy.deepcopy(child))
+    return new
+
+
+def code_of(gm: fx.GraphModule) -> str:
+    """The code of ``gm`` and of its higher-order ops' bodies: what a pass may have changed."""
+    bodies = [child.code for _, child in sorted(gm.named_children()) if isinstance(child, fx.GraphModule)]
+    return "\n".join([gm.code, *bodies])
+
+
+@dataclass
+class Snapshot:
+    """A graph module as it was before a pass: its graph and its bodies, to put back."""
+
+    graph: fx.Graph
+    bodies: dict[str, fx.GraphModule]
+    code: str
+
+    def restore(self, gm: fx.GraphModule) -> None:
+        gm.graph = self.graph
+        for name, body in self.bodies.items():
+            setattr(gm, name, body)
+        gm.recompile()
+
+
+def snapshot(gm: fx.GraphModule) -> Snapshot:
+    bodies = {name: copy.deepcopy(child) for name, child in gm.named_children() if isinstance(child, fx.GraphModule)}
+    return Snapshot(copy_graph(gm.graph), bodies, code_of(gm))
 
 
 @dataclass
@@ -260,7 +297,7 @@ class Verifier:
         self.backward = backward
         self.strict = strict
         self.graph_name = graph_name
-        self.captured = fx.GraphModule(gm, copy_graph(gm.graph))
+        self.captured = own_copy(gm)
         self.inputs = Inputs(gm, example_inputs)
         self.report.unavailable = _why_unverifiable(gm, example_inputs) or _too_large(example_inputs, max_gib)
         self.eager: Run | None = None
@@ -316,13 +353,13 @@ class Verifier:
 
     def fresh_captured(self) -> fx.GraphModule:
         """A new copy of the captured graph (an inner compiler takes ownership of what it is given)."""
-        return fx.GraphModule(self.captured, copy_graph(self.captured.graph))
+        return own_copy(self.captured)
 
     def rebase(self, stage: str, gm: fx.GraphModule) -> None:
         """``gm`` changes the function by design (``stage`` approximates): it becomes the reference."""
         self.report.checks.append(Check(stage, "unverified", "an approximation by design; later stages are "
                                         "compared with its graph"))
-        self.captured = fx.GraphModule(gm, copy_graph(gm.graph))
+        self.captured = own_copy(gm)
         try:
             self.eager = run(self.captured, self.inputs, fp64=False, backward=self.backward)
             self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=self.backward)

@@ -188,3 +188,36 @@ def test_the_runs_inputs_keep_the_example_inputs_strides():
         (a, b), _ = Inputs(gm, [sliced, broadcast]).fresh(fp64)
         assert a.stride() == sliced.stride() and torch.equal(a.float(), sliced)
         assert torch.equal(b.float(), broadcast)  # a broadcast view is copied whole
+
+
+class FXDeadCode(GraphPass):
+    """Wrong on purpose: FX's own dead-code removal, which also cleans autograd.Function bodies
+    and drops the in-place write of a backward (what PhiMoE lost)."""
+
+    name = "fx_dead_code"
+
+    def run(self, ctx: PassContext) -> PassReport:
+        report = PassReport(self.name)
+        if ctx.gm.graph.eliminate_dead_code():
+            report.found.append("graph")
+            report.rewritten.append("graph")
+        return report
+
+
+def test_a_pass_that_edits_a_function_body_is_dropped_and_the_reference_kept(monkeypatch):
+    """The reference and the fallbacks own their copies of higher-order ops' bodies."""
+    from test_dead_code import FunctionWithInplaceBackward
+
+    monkeypatch.setattr(backend, "graph_passes", lambda config: [*graph_passes(config), FXDeadCode(config)])
+    torch.manual_seed(0)
+    records = []
+
+    def compile_fn(m):
+        fn, rec = compile_recorded(m)
+        records.append(rec)
+        return fn
+
+    with pytest.warns(VerifyWarning, match="fx_dead_code changed what graph"):
+        check_against_eager(FunctionWithInplaceBackward(), compile_fn, lambda m, x: upcast(m(*x)).pow(2).sum(),
+                            (torch.randn(2, 3, 8),), "FX dead code planted")
+    assert [c.status for c in records[0].graphs[0].verify.checks][-2:] == ["dropped", "verified"]
