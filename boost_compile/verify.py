@@ -227,10 +227,20 @@ def _same_random_draws(devices: Sequence[torch.device]) -> Iterator[None]:
         yield
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _own_saved_tensors() -> Any:
+    """Saved-tensor hooks of verify's own (identity): the caller's (a memory census, offloading to
+    the CPU) see the user's steps, not verify's runs inside the first one."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
 def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> Run:
     """Forward (and backward from fixed cotangents) of ``fn`` on fresh copies of the inputs."""
     args, leaves = inputs.fresh(fp64)
-    with _same_random_draws(inputs.devices), torch.set_grad_enabled(backward):
+    with _same_random_draws(inputs.devices), torch.set_grad_enabled(backward), _own_saved_tensors():
         out = fn(*args)
         flat = compat.tree_leaves(out)
         values: dict[str, torch.Tensor | None] = {}

@@ -221,3 +221,17 @@ def test_a_pass_that_edits_a_function_body_is_dropped_and_the_reference_kept(mon
         check_against_eager(FunctionWithInplaceBackward(), compile_fn, lambda m, x: upcast(m(*x)).pow(2).sum(),
                             (torch.randn(2, 3, 8),), "FX dead code planted")
     assert [c.status for c in records[0].graphs[0].verify.checks][-2:] == ["dropped", "verified"]
+
+
+def test_the_callers_saved_tensor_hooks_see_the_step_not_verify():
+    """A memory census through saved-tensor hooks counts the same first step with verify on or off."""
+    counts = []
+    for verify in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        fn, _ = compile_recorded(TwoHeads(), verify=verify)
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, p=packed: p.append(t.numel()) or t, lambda t: t):
+            fn(torch.randn(3, 8)).sum().backward()
+        counts.append(sum(packed))
+    assert counts[0] == counts[1] > 0
