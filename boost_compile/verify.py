@@ -89,10 +89,6 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {"unavailable": self.unavailable, "checks": [vars(c) for c in self.checks]}
 
-    @property
-    def dropped(self) -> list[str]:
-        return [c.stage for c in self.checks if c.status == "dropped"]
-
 
 # ----------------------------------------------------------------------------- running a graph
 
@@ -314,11 +310,7 @@ class Verifier:
         self.truth: Run | None = None
         self.dtype = _float_dtype(example_inputs)
         if self.report.unavailable is None:
-            try:
-                self.eager = run(self.captured, self.inputs, fp64=False, backward=backward)
-                self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=backward)
-            except Exception as e:  # noqa: BLE001 - any failure to build a reference is reported, not raised
-                self.report.unavailable = f"the captured graph could not be run as a reference: {_one_line(e)}"
+            self._reference("the captured graph")
 
     @property
     def available(self) -> bool:
@@ -370,11 +362,15 @@ class Verifier:
         self.report.checks.append(Check(stage, "unverified", "an approximation by design; later stages are "
                                         "compared with its graph"))
         self.captured = own_copy(gm)
+        self._reference(f"the graph after {stage}")
+
+    def _reference(self, what: str) -> None:
+        """The eager and float64 runs of ``self.captured``; a failure makes the graph unverified."""
         try:
             self.eager = run(self.captured, self.inputs, fp64=False, backward=self.backward)
             self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=self.backward)
-        except Exception as e:  # noqa: BLE001
-            self.report.unavailable = f"the graph after {stage} could not be run as a reference: {_one_line(e)}"
+        except Exception as e:  # noqa: BLE001 - any failure to build a reference is reported, not raised
+            self.report.unavailable = f"{what} could not be run as a reference: {_one_line(e)}"
 
     def unverified(self, stage: str, why: str) -> None:
         if self.available:
