@@ -353,3 +353,8 @@ def functional_collectives() -> Any:
 
 #: ``torch._check``: a condition that fake tensors and the compiler understand.
 check = torch._check
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The process group a functional collective names by ``group_name``."""
+    return torch.distributed.distributed_c10d._resolve_process_group(group_name)

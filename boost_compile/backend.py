@@ -36,7 +36,7 @@ from boost_compile.pass_manager import (
     run_graph_passes,
 )
 from boost_compile.passes import aten_passes, checkpoint_partitioner, graph_passes
-from boost_compile.verify import Verifier, VerifyReport
+from boost_compile.verify import Verifier, VerifyError, VerifyReport
 
 
 @dataclass
@@ -97,6 +97,8 @@ def compile_graph(
     # activation checkpointing: the joint-graph partitioner (None: the inner compiler's own)
     partitions = record.partition_reports if record is not None and recorder.keep_partitions else None
     partitioner = checkpoint_partitioner(config, partitions)
+    if verifier is not None and verifier.available and verifier.tp is not None:
+        verifier.keep_rank_program(gm)  # the TP fallback: the inner compiler takes gm over
     compiled = _inner_compile(gm, example_inputs, config, pipeline, partitioner)
     if verifier is None or not verifier.available:
         return compiled
@@ -151,8 +153,10 @@ class CheckedOnFirstCall:
     def _checked(self, verifier: Verifier) -> Callable[..., Any]:
         inner = self.config.inner
         aten = f", ATen passes {'+'.join(self.rewriting)}" if self.rewriting else ""
-        if verifier.check_compiled(f"compiled ({inner}{aten})", self.fn,
-                                   "the captured graph is compiled again without the passes"):
+        stage = f"compiled ({inner}{aten})"
+        if verifier.tp is not None:  # a rank's program: the captured graph reads shards as whole tensors
+            return self._checked_rank_program(verifier, stage)
+        if verifier.check_compiled(stage, self.fn, "the captured graph is compiled again without the passes"):
             return self.fn
         plain = BoostConfig.from_options({"inner": inner, "mode": self.config.mode, "inductor": self.config.inductor})
         fallback = _inner_compile(verifier.fresh_captured(), self.example_inputs, plain, AtenPipeline([]))
@@ -160,6 +164,15 @@ class CheckedOnFirstCall:
                                    "the captured graph runs as Dynamo gave it"):
             return fallback
         return verifier.fresh_captured().forward
+
+    def _checked_rank_program(self, verifier: Verifier, stage: str) -> Callable[..., Any]:
+        """Under TP the fallback is this rank's program as the Torch-IR passes left it (each checked), eagerly."""
+        if verifier.check_compiled(stage, self.fn, "this rank's program runs eagerly, as the passes left it"):
+            return self.fn
+        program = verifier.rank_program
+        if verifier.check_compiled("this rank's program (eager)", program.forward, "nothing is left to fall back to"):
+            return program.forward
+        raise VerifyError(f"verify: graph {verifier.graph_name}: no tensor-parallel program of it computes the model")
 
 
 def _inner_compile(

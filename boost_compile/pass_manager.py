@@ -33,7 +33,7 @@ from boost_compile import _torch_compat as compat
 from boost_compile import trace
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
-from boost_compile.verify import Verifier, code_of, snapshot
+from boost_compile.verify import Verifier, VerifyError, code_of, snapshot
 
 log = logging.getLogger("boost_compile")
 
@@ -141,6 +141,12 @@ class GraphPass:
     #: the rewrite keeps what the graph computes (up to rounding); False for an approximation by
     #: design (compile-time factorization), which ``verify`` reports and then compares against
     exact: ClassVar[bool] = True
+    #: verify may undo the rewrite alone (False: a tensor-parallel pass, without which no rank's
+    #: program exists)
+    droppable: ClassVar[bool] = True
+    #: under TP, the pass after which the rank's program is whole (its collectives inserted): the
+    #: passes before it are checked with it, as one program
+    completes_rank_program: ClassVar[bool] = False
 
     def __init__(self, config: BoostConfig) -> None:
         self.config = config
@@ -228,26 +234,21 @@ def run_graph_passes(
 
     With a ``verifier``, each pass that changed the graph is checked against the captured
     graph; one that breaks the parity rule is undone (its report says so) and the next pass
-    runs on the graph as it was before it.
+    runs on the graph as it was before it. Under TP the passes up to the one that completes the
+    rank's program are checked together with it (``_check_rank_program``).
     """
     from boost_compile.analysis import count_ops
 
     reports = []
     traced = trace.PassTrace.of_module(ctx.gm)
+    pending: list[_Applied] = []  # under TP: rewrites of a rank's program not yet whole
     for p in passes:
         if not p.enabled():
             continue
         before = snapshot(ctx.gm) if verifier is not None and verifier.available else None
-        report = p.run(ctx)
-        ctx.gm.graph.lint()
-        ctx.gm.recompile()
-        ctx.invalidate()
-        changed = before is not None and code_of(ctx.gm) != before.code
-        if changed and not p.exact:
-            verifier.rebase(p.name, ctx.gm)
-        elif changed and not verifier.check_pass(p.name, before.graph, ctx.gm):
-            before.restore(ctx.gm)
-            report.dropped = True
+        report = _run_pass(p, ctx)
+        if before is not None:
+            _verify(_Applied(p, report, before), ctx, verifier, pending)
         reports.append(report)
         log.info("%s", report.line())
         traced.after(report)  # before the strict check: a failing pass's report is in the trace too
@@ -255,7 +256,69 @@ def run_graph_passes(
             check_strict(p, report)
         if stages is not None:
             stages.append(StageRecord(p.name, ctx.gm.code, count_ops(ctx.gm.graph)))
+    if pending and verifier is not None:
+        verifier.unverified(" + ".join(a.p.name for a in pending), "the rank's program was never whole (no pass "
+                            "inserted its collectives)")
     return reports
+
+
+@dataclass
+class _Applied:
+    """A pass that ran: its report and the graph before it."""
+
+    p: GraphPass
+    report: PassReport
+    before: Any  # verify.Snapshot
+
+
+def _run_pass(p: GraphPass, ctx: PassContext) -> PassReport:
+    report = p.run(ctx)
+    ctx.gm.graph.lint()
+    ctx.gm.recompile()
+    ctx.invalidate()
+    return report
+
+
+def _verify(applied: _Applied, ctx: PassContext, verifier: Verifier, pending: list[_Applied]) -> None:
+    """Check one pass's rewrite; undo it when it breaks the rule."""
+    changed = code_of(ctx.gm) != applied.before.code
+    if changed and not applied.p.exact:
+        verifier.rebase(applied.p.name, ctx.gm)
+    elif verifier.waits_for_program(applied.p):
+        if changed:
+            pending.append(applied)
+    elif pending:
+        _check_rank_program([*pending, applied], ctx, verifier)
+        pending.clear()
+    elif changed and not verifier.check_pass(applied.p.name, ctx.gm):
+        applied.before.restore(ctx.gm)
+        applied.report.dropped = True
+
+
+def _check_rank_program(unit: list[_Applied], ctx: PassContext, verifier: Verifier) -> None:
+    """A rank's program, checked once it is whole: the TP passes and what ran between them.
+
+    On a mismatch the rewrites verify may drop (grouping, say) are undone from the last one back,
+    the TP passes after each run again on the graph before it, and the result is checked again; a
+    rank's program still wrong without any of them has nothing to fall back to (the captured graph
+    reads shards as whole tensors) and raises.
+    """
+    names = " + ".join(a.p.name for a in unit)
+    if verifier.check_pass(names, ctx.gm):
+        return
+    for k in reversed([i for i, a in enumerate(unit) if a.p.droppable]):
+        unit[k].before.restore(ctx.gm)
+        ctx.invalidate()
+        for a in unit[k:]:
+            if a.p.droppable:
+                a.report.dropped = True
+            else:  # the TP pass again, on the graph without the dropped rewrites: its report replaced
+                vars(a.report).update(vars(_run_pass(a.p, ctx)))
+        kept = [a.p.name for a in unit if not a.report.dropped]
+        if verifier.check_pass(" + ".join(kept), ctx.gm):
+            return
+    raise VerifyError(f"verify: the tensor-parallel program of graph {verifier.graph_name} ({names}) differs from "
+                      "the unsharded model even without the rewrites between its passes")
 
 
 def check_strict(p: GraphPass, report: PassReport) -> None:

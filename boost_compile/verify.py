@@ -21,8 +21,12 @@ mode ``VerifyError`` is raised instead. The finished compile (the callable the u
 run, forward and backward) is checked once against the same reference; when it fails, the
 captured graph is compiled again without the passes (and, if that fails too, run eagerly).
 
-What cannot be compared is said, not guessed: a graph with collectives (tensor
-parallelism: each rank's program is part of a whole), fake example inputs, CUDA graphs.
+Under tensor parallelism (``parallelize_``'s btp and megatron) the reference is the unsharded
+model, built from the captured graph and the gathered shards (``verify_tp.py``), and each rank's
+program is judged on its slices, the TP passes and what ran between them as one program.
+
+What cannot be compared is said, not guessed: DTensor parameters, a graph that calls
+collectives of its own, fake example inputs, CUDA graphs, per-rank dropout masks.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import copy
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +46,14 @@ import torch.fx as fx
 from boost_compile import _torch_compat as compat
 from boost_compile import parity
 from boost_compile.analysis.fx_utils import is_collective, node_target_name
+from boost_compile.verify_tp import (
+    Cut,
+    RankView,
+    is_rank_program,
+    per_rank_random,
+    read_markers_as_identities,
+    shapes_differ,
+)
 
 log = logging.getLogger("boost_compile")
 
@@ -233,8 +245,11 @@ def _own_saved_tensors() -> Any:
     return torch.autograd.graph.saved_tensors_hooks(_same, _same)
 
 
-def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> Run:
-    """Forward (and backward from fixed cotangents) of ``fn`` on fresh copies of the inputs."""
+def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool, cuts: Mapping[str, Cut] | None = None) -> Run:
+    """Forward (and backward from fixed cotangents) of ``fn`` on fresh copies of the inputs.
+
+    ``cuts``: the outputs that are this rank's slice of a whole one (TP), whose cotangents are
+    then the same slice of the whole output's."""
     args, leaves = inputs.fresh(fp64)
     with _same_random_draws(inputs.devices), torch.set_grad_enabled(backward), _own_saved_tensors():
         out = fn(*args)
@@ -245,7 +260,7 @@ def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> R
             if isinstance(t, torch.Tensor):
                 values[f"output[{i}]"] = t.detach()
                 if backward and t.requires_grad and t.is_floating_point():
-                    seeds.append((t, _cotangent(t, i)))
+                    seeds.append((t, _cotangent(t, i, (cuts or {}).get(f"output[{i}]"))))
         if seeds:
             torch.autograd.backward([t for t, _ in seeds], [c for _, c in seeds])
     for name, leaf in leaves.items():
@@ -253,10 +268,13 @@ def run(fn: Callable[..., Any], inputs: Inputs, fp64: bool, backward: bool) -> R
     return Run(values)
 
 
-def _cotangent(t: torch.Tensor, index: int) -> torch.Tensor:
-    """Fixed random numbers in fp32 (the same values, widened, for a float64 run)."""
+def _cotangent(t: torch.Tensor, index: int, cut: Cut | None = None) -> torch.Tensor:
+    """Fixed random numbers in fp32 (the same values, widened, for a float64 run); for an output
+    that is a rank's slice of a whole one, that slice of the whole output's numbers."""
     gen = torch.Generator().manual_seed(_COTANGENT_SEED + index)
-    return torch.randn(t.shape, generator=gen, dtype=torch.float32).to(device=t.device, dtype=t.dtype)
+    shape = t.shape if cut is None else cut.whole_shape(t.shape)
+    numbers = torch.randn(shape, generator=gen, dtype=torch.float32)
+    return (numbers if cut is None else cut.local(numbers)).to(device=t.device, dtype=t.dtype)
 
 
 # ----------------------------------------------------------------------------- the verifier
@@ -265,8 +283,6 @@ def _cotangent(t: torch.Tensor, index: int) -> torch.Tensor:
 def _why_unverifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str | None:
     if any(compat.is_fake(x) for x in example_inputs):
         return "the example inputs are fake tensors"
-    if any(getattr(x, "_boost_tp", None) is not None for x in example_inputs):
-        return "a model sharded by parallelize_ (each rank's program is part of a whole)"
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(x, DTensor) for x in example_inputs):
@@ -279,8 +295,15 @@ def _why_unverifiable(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str 
 _COPIES_HELD = 6
 
 
-def _too_large(example_inputs: Sequence[Any], max_gib: float) -> str | None:
-    size = sum(x.numel() * x.element_size() for x in example_inputs if isinstance(x, torch.Tensor))
+def _bytes(example_inputs: Sequence[Any]) -> int:
+    return sum(x.numel() * x.element_size() for x in example_inputs if isinstance(x, torch.Tensor))
+
+
+def _device(example_inputs: Sequence[Any]) -> torch.device:
+    return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+
+
+def _too_large(size: int, max_gib: float) -> str | None:
     need = _COPIES_HELD * size / 2**30
     if need > max_gib:
         return f"its reference would hold about {need:.1f} GiB, over verify.max_gib={max_gib:g}"
@@ -303,39 +326,89 @@ class Verifier:
         self.backward = backward
         self.strict = strict
         self.graph_name = graph_name
-        self.captured = own_copy(gm)
         self.inputs = Inputs(gm, example_inputs)
-        self.report.unavailable = _why_unverifiable(gm, example_inputs) or _too_large(example_inputs, max_gib)
+        #: the reference's own inputs: the example inputs, or under TP the whole model's (gathered)
+        self.ref_inputs = self.inputs
+        self.report.unavailable = _why_unverifiable(gm, example_inputs)
+        #: a rank's program (tensor parallelism): how its tensors are cut from the whole model's
+        self.tp: RankView | None = None
+        #: under TP, whether the rank's program is whole yet (the pass that inserts its collectives ran)
+        self.program_complete = True
+        #: why nothing after a stage is compared (TP: an approximation by design cannot become the reference)
+        self.stopped: str | None = None
+        if self.report.unavailable is None and is_rank_program(example_inputs):
+            self._rank_program(gm, example_inputs, max_gib)
+        else:
+            self.captured = own_copy(gm)
+            self.report.unavailable = self.report.unavailable or _too_large(_bytes(example_inputs), max_gib)
         self.eager: Run | None = None
         self.truth: Run | None = None
         self.dtype = _float_dtype(example_inputs)
         if self.report.unavailable is None:
             self._reference("the captured graph")
+        if self.tp is not None:  # a verdict the whole group shares: each rank then checks the same program
+            self._agree_available(example_inputs)
+
+    def _rank_program(self, gm: fx.GraphModule, example_inputs: Sequence[Any], max_gib: float) -> None:
+        """The captured graph of a ``parallelize_``d model as the whole model, on the gathered shards."""
+        self.tp = RankView(gm, example_inputs, self.inputs.names)
+        self.program_complete = False
+        self.captured = read_markers_as_identities(own_copy(gm))
+        self.report.unavailable = self.tp.unsupported or _too_large(self.tp.whole_bytes(example_inputs), max_gib)
+        if self.report.unavailable is None:
+            self.ref_inputs = Inputs(gm, self.tp.whole_inputs(example_inputs))
+
+    def _agree_available(self, example_inputs: Sequence[Any]) -> None:
+        if not self.tp.agree(self.report.unavailable is None, _device(example_inputs)):
+            self.report.unavailable = self.report.unavailable or "another rank of the group could not build its reference"
 
     @property
     def available(self) -> bool:
-        return self.report.unavailable is None
+        return self.report.unavailable is None and self.stopped is None
+
+    def waits_for_program(self, p: Any) -> bool:
+        """Under TP, whether the graph after pass ``p`` is still part of a rank's program: the
+        collectives come with the pass that ``completes_rank_program``, and only then is it compared."""
+        if getattr(p, "completes_rank_program", False):
+            self.program_complete = True
+        return not self.program_complete
 
     # -- one Torch-IR pass --------------------------------------------------------
 
-    def check_pass(self, name: str, before: fx.Graph, gm: fx.GraphModule) -> bool:
+    def check_pass(self, name: str, gm: fx.GraphModule) -> bool:
         """Whether ``gm`` (after pass ``name``) keeps the rule; False: the caller undoes the pass."""
         if not self.available:
             return True
-        why = _collectives(gm)
+        why = _collectives(gm) if self.tp is None else per_rank_random(gm)
         if why is not None:
             self.report.checks.append(Check(name, "unverified", why))
+            if self.tp is not None:  # the finished compile draws the same masks: nothing after is compared
+                self.stopped = name
             return True
+        return self._judge(name, gm, "that rewrite is dropped for this graph")
+
+    def _judge(self, stage: str, fn: Callable[..., Any], consequence: str) -> bool:
+        """Run ``fn`` (a graph, or the compiled callable) and judge it against the reference."""
+        tested, what, cut = None, None, None
         try:
-            tested = run(gm, self.inputs, fp64=False, backward=self.backward)
+            tested = run(fn, self.inputs, fp64=False, backward=self.backward,
+                         cuts=self.tp.output_cuts if self.tp is not None else None)
         except Exception as e:  # noqa: BLE001 - a rewrite that no longer runs is a failed check
-            return self._failed(name, f"the rewritten graph raised {_one_line(e)}", None)
-        bad = parity.compare(tested.values, self.eager.values, self.truth.values, self.dtype)
-        if not bad:
-            self.report.checks.append(Check(name, "verified", self._worst(tested)))
+            what = f"it raised {_one_line(e)}"
+        if tested is not None and self.tp is not None:
+            cut = shapes_differ(tested.values, self.truth.values)
+        bad = parity.compare(tested.values, self.eager.values, self.truth.values, self.dtype) if tested and not cut else []
+        what = what or (_listed(bad) if bad else None)
+        if self.tp is not None and not self.tp.agree(what is None, _device(self.inputs.example)):
+            what = what or "another rank of the group found a difference"  # every rank keeps or drops alike
+        if what is None:
+            self.report.checks.append(Check(stage, "unverified", cut) if cut else Check(stage, "verified", self._worst(tested)))
             return True
-        first = first_differing_node(self.captured, gm, self.inputs, self.dtype)
-        return self._failed(name, _listed(bad), first)
+        first = None
+        if bad and isinstance(fn, fx.GraphModule):
+            first = (first_differing_node(self.captured, fn, self.inputs, self.dtype) if self.tp is None
+                     else "not searched under TP (a rank's partial sums differ from the whole model's by design)")
+        return self._failed(stage, what, first, consequence)
 
     # -- the finished compile -----------------------------------------------------
 
@@ -343,15 +416,11 @@ class Verifier:
         """Whether the callable the user will run keeps the rule against the captured graph."""
         if not self.available:
             return True
-        try:
-            tested = run(compiled, self.inputs, fp64=False, backward=self.backward)
-        except Exception as e:  # noqa: BLE001
-            return self._failed(stage, f"the compiled graph raised {_one_line(e)}", None, fallback)
-        bad = parity.compare(tested.values, self.eager.values, self.truth.values, self.dtype)
-        if not bad:
-            self.report.checks.append(Check(stage, "verified", self._worst(tested)))
-            return True
-        return self._failed(stage, _listed(bad), None, fallback)
+        return self._judge(stage, compiled, fallback)
+
+    def keep_rank_program(self, gm: fx.GraphModule) -> None:
+        """Keep a copy of this rank's program after the Torch-IR passes (TP's fallback)."""
+        self.rank_program = own_copy(gm)
 
     def fresh_captured(self) -> fx.GraphModule:
         """A new copy of the captured graph (an inner compiler takes ownership of what it is given)."""
@@ -359,6 +428,11 @@ class Verifier:
 
     def rebase(self, stage: str, gm: fx.GraphModule) -> None:
         """``gm`` changes the function by design (``stage`` approximates): it becomes the reference."""
+        if self.tp is not None:  # its graph is a rank's part, not a whole model to compare with
+            self.report.checks.append(Check(stage, "unverified", "an approximation by design; under TP nothing "
+                                            "after it is compared"))
+            self.stopped = stage
+            return
         self.report.checks.append(Check(stage, "unverified", "an approximation by design; later stages are "
                                         "compared with its graph"))
         self.captured = own_copy(gm)
@@ -367,8 +441,10 @@ class Verifier:
     def _reference(self, what: str) -> None:
         """The eager and float64 runs of ``self.captured``; a failure makes the graph unverified."""
         try:
-            self.eager = run(self.captured, self.inputs, fp64=False, backward=self.backward)
-            self.truth = run(float64_graph(self.captured), self.inputs, fp64=True, backward=self.backward)
+            self.eager = run(self.captured, self.ref_inputs, fp64=False, backward=self.backward)
+            self.truth = run(float64_graph(self.captured), self.ref_inputs, fp64=True, backward=self.backward)
+            if self.tp is not None:  # as this rank holds them: its slices of what is cut
+                self.eager, self.truth = Run(self.tp.local(self.eager.values)), Run(self.tp.local(self.truth.values))
         except Exception as e:  # noqa: BLE001 - any failure to build a reference is reported, not raised
             self.report.unavailable = f"{what} could not be run as a reference: {_one_line(e)}"
 

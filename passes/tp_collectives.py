@@ -79,6 +79,7 @@ _MATMUL = {operator.matmul, torch.matmul, torch.mm}
 
 class TPCollectivesPass(TPPass):
     name = "tp_collectives"
+    completes_rank_program = True  # verify checks the rank's program after this pass
 
     def run(self, ctx: PassContext) -> PassReport:
         unused = unused_nodes(ctx.gm.graph)  # what the captured graph leaves unused stays
@@ -99,15 +100,15 @@ class TPCollectivesPass(TPPass):
         collectives = 0
 
         # the norms whose input tp_localize left sharded on the last dim (btp's stream)
-        sharded_norms = set(ctx.gm.meta.get(SHARDED_NORMS_KEY, ()))
-        fixed: set[fx.Node] = set()
+        sharded_norms = set(ctx.gm.meta.get(SHARDED_NORMS_KEY, ()))  # by node name
+        fixed: set[str] = set()
         replaced: dict[fx.Node, fx.Node] = {}  # a norm's old output -> its rewrite (a norm may read one)
         for site in view.norms:
-            if site.output not in sharded_norms:
+            if site.output.name not in sharded_norms:
                 continue
             if site.input in replaced:  # modded-nanogpt: the first block's norm reads the embedding's norm
                 site = dataclasses.replace(site, input=replaced[site.input])
-            fixed.add(site.output)
+            fixed.add(site.output.name)
             users = list(site.output.users)
             kind = "layernorm" if isinstance(site, LayerNormSite) else "rmsnorm"
             report.found.append(f"{kind} {site.name}")
@@ -129,7 +130,7 @@ class TPCollectivesPass(TPPass):
 
         if missed := sharded_norms - fixed:
             raise ParallelizeError(
-                f"norm site(s) {sorted(n.name for n in missed)} normalise a sharded input but were not "
+                f"norm site(s) {sorted(missed)} normalise a sharded input but were not "
                 "found again after the earlier passes; their statistic would be this rank's alone"
             )
         for node, sp in gemms:

@@ -104,6 +104,8 @@ _DEFAULT_HINT = ("shard this model with another plan (megatron keeps the stream 
 class TPPass(GraphPass):
     """A pass on a model sharded by ``parallelize_``: enabled and configured by ``tp``."""
 
+    droppable = False  # without it there is no rank's program
+
     def enabled(self) -> bool:
         return self.config.tp.enabled
 
@@ -190,7 +192,8 @@ class _Localizer(ShapeRules):
             self._track_vocab(node)
         self._rank_local_dropout()
         self._remove_full_views()
-        self.gm.meta[SHARDED_NORMS_KEY] = list(self.sharded_norms)
+        # by name: a graph put back by verify is a copy, whose nodes are new objects of the same names
+        self.gm.meta[SHARDED_NORMS_KEY] = [n.name for n in self.sharded_norms]
         self.graph.lint()
         self.gm.recompile()
         checked = self._propagate_and_check()

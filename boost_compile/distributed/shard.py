@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from boost_compile import _torch_compat as compat
 from boost_compile.distributed.collectives import local_size, tp_full_view
 
 
@@ -128,7 +129,7 @@ def full_tensor(t: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
         return t.full_tensor()
     if spec is None or spec.dim is None:
         return t.detach().clone()
-    group = dist.distributed_c10d._resolve_process_group(spec.group_name)
+    group = compat.resolve_process_group(spec.group_name)
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
     if spec.size is not None:  # a padded dim: drop the padding

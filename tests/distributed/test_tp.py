@@ -119,8 +119,14 @@ DEEP_SCENARIOS = [
 ]
 #: VocabShardedLogits (distributed/vocab_logits.py) against the whole logits, two vocabularies
 VOCAB_LOGITS = [{"name": "vocab-logits", "vocab_logits": True}]
-#: Planted bugs the parity rule must reject (tp_worker.planted)
-PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1}]
+#: Planted bugs (tp_worker.planted): the parity rule rejects one with verify off; verify finds each,
+#: drops it and the run keeps one process's numbers
+PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1,
+            "options": {"verify": False}},
+           {"name": "verified-drop-all-reduce", "model": "tiny:4", "plan": "btp", "plant": "drop_all_reduce", "steps": 1},
+           {"name": "verified-swap-grouped", "model": "tiny:4", "plan": "btp", "plant": "swap_grouped", "steps": 1},
+           {"name": "verified-swap-grouped-block", "model": "tiny:4", "plan": "btp", "plant": "swap_grouped", "steps": 1,
+            "unit": "block"}]
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +216,7 @@ def test_vocab_sharded_logits(results, vocab):
 
 
 def test_planted_bug_fails_the_rule(results):
-    """One forward all-reduce removed: the rule rejects the run by orders of magnitude."""
+    """One forward all-reduce removed, verify off: the rule rejects the run by orders of magnitude."""
     r = ok(results, "planted-drop-all-reduce")
     assert len(r["planted"]) == 1, r["planted"]  # one all-reduce node removed from the forward graph
     with pytest.raises(ParityError, match=r"ratio \d{3,}"):
@@ -550,3 +556,66 @@ def test_not_initialised():
 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+#: what verify says of each graph: the rank's program after the TP passes, then the finished compile
+RANK_PROGRAM = "tp_localize + group_linears + tp_collectives: verified"
+
+
+def rank_program_verified(line: str) -> bool:
+    """The TP passes' check (group_linears between them where it grouped something)."""
+    return line.startswith("tp_localize + ") and " + tp_collectives: verified (" in line
+
+
+@pytest.mark.parametrize("name", ["cola-btp", "dense-megatron", "lax-btp", "cola-btp-vocab255", "cola-btp-inductor",
+                                  "cola-btp-ckpt-lowrank", "hf-factorized-btp-vocab255", "cola-btp-overlap"])
+def test_verify_checks_the_rank_program(results, name):
+    """Each rank's program is run by both ranks against the unsharded model (the shards gathered,
+    the markers read as identities) and judged by the parity rule on this rank's slices: after the
+    TP passes and whatever ran between them, as one program, and the finished compile."""
+    r = ok(results, name)
+    for lines in r["verify"]:
+        assert any(rank_program_verified(line) for line in lines), lines
+        assert any(line.startswith("compiled (") and ": verified" in line for line in lines), lines
+        assert not any("dropped" in line for line in lines), lines
+    assert r["verify_warnings"] == [] and r["dropped"] == []
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_SCENARIOS))
+def test_verify_checks_each_block_program(results, name):
+    """Per block under btp a block takes and returns this rank's slice of the stream: its input is
+    gathered for the reference, and its output's cotangent and its input's gradient are this rank's
+    slices of the whole ones. DTensor parameters (vanilla) are said to be unverified."""
+    r = ok(results, name)
+    for lines in r["verify"]:
+        if BLOCK_SCENARIOS[name][0]["plan"] == "vanilla":
+            assert lines == ["not verified: DTensor inputs (each rank's program is part of a whole)"], lines
+        else:
+            assert any(rank_program_verified(line) for line in lines) and not any("dropped" in x for x in lines), lines
+
+
+def test_verify_drops_a_planted_aten_bug_under_tp(results):
+    """The forward all-reduce removed by an ATen pass: the finished compile fails on both ranks, each
+    falls back to its rank's program as the Torch-IR passes left it (verified), and trains as one process."""
+    r = ok(results, "verified-drop-all-reduce")
+    assert len(r["planted"]) == 1, r["planted"]
+    (lines,) = r["verify"]
+    assert lines[0].startswith(RANK_PROGRAM), lines
+    assert lines[1].startswith("compiled (aot_eager, ATen passes planted_drop_all_reduce): dropped"), lines
+    assert lines[2].startswith("this rank's program (eager): verified"), lines
+    assert len(r["verify_warnings"]) == 1 and "this rank's program runs eagerly" in r["verify_warnings"][0]
+    assert_parity(r["parity"], r["dtype"], "planted all-reduce drop, verified")
+
+
+@pytest.mark.parametrize("name", ["verified-swap-grouped", "verified-swap-grouped-block"])
+def test_verify_drops_a_planted_rewrite_between_the_tp_passes(results, name):
+    """A pass after group_linears hands one grouped member another's output: the rank's program (checked
+    once tp_collectives made it whole) fails, the planted pass is undone, tp_collectives runs again on
+    the graph before it, and that program (grouping kept) is verified; both ranks agree."""
+    r = ok(results, name)
+    for lines in r["verify"]:
+        assert lines[0].startswith("tp_localize + group_linears + planted_swap_grouped_outputs + tp_collectives: dropped"), lines
+        assert lines[1].startswith(RANK_PROGRAM), lines
+    assert r["dropped"] == ["planted_swap_grouped_outputs"] * len(r["verify"])
+    assert "not searched under TP" in r["verify_warnings"][0]
+    assert_parity(r["parity"], r["dtype"], name)

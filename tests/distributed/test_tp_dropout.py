@@ -63,3 +63,19 @@ def test_a_mask_drawn_by_hand_on_a_sharded_tensor_is_refused(results):
         assert rank["message"].startswith("ParallelizeError"), rank["message"]
         assert "rand_like draws random values shaped like a tensor cut across the TP ranks" in rank["message"]
         assert "use F.dropout or nn.Dropout there" in rank["message"]
+
+
+@pytest.mark.parametrize("name", ["megatron", "megatron-inductor", "btp", "megatron-no-dropout"])
+def test_verify_says_per_rank_masks_are_not_compared(results, name):
+    """A rank's own masks are no one-process run's: verify reports the rank's program unverified,
+    naming the dropout, and compares nothing after it (the finished compile draws them too); without
+    dropout the same program is verified."""
+    for rank in per_rank(results, name):
+        (lines,) = rank["verify"]
+        if name == "megatron-no-dropout":
+            assert lines[0].startswith("tp_localize + ") and ": verified (" in lines[0], lines
+            assert lines[-1].startswith("compiled (") and ": verified (" in lines[-1], lines
+        else:
+            (line,) = lines
+            assert line.startswith("tp_localize + ") and ": unverified (" in line, line
+            assert "dropout on a sharded tensor draws each rank's own mask by design" in line, line

@@ -84,6 +84,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     out["sites"] = [line for g in rec.graphs for r in g.reports if r.name == "tp_localize"
                     for line in r.rewritten if line.startswith("rank-local dropout")]
     out["graphs"] = len(rec.graphs)
+    out["verify"] = [g.verify.lines() for g in rec.graphs if g.verify is not None]
     return out
 
 

@@ -14,8 +14,10 @@ import contextlib
 import copy
 import functools
 import json
+import operator
 import time
 import traceback
+import warnings
 from typing import Any
 from unittest import mock
 
@@ -26,12 +28,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import boost_compile as bc
 import boost_compile.backend as boost_backend
+from boost_compile.analysis.fx_utils import SPLIT_TARGETS
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
 from boost_compile.explain import Explanation
 from boost_compile.models import Llama, LlamaConfig
-from boost_compile.pass_manager import AtenPass, PassReport
+from boost_compile.pass_manager import AtenPass, GraphPass, PassContext, PassReport
 from boost_compile.process_exit import exit_without_finalizing
+from boost_compile.verify import VerifyWarning
 
 SEQ, BATCH = 16, 2
 
@@ -106,10 +110,38 @@ class DropOneAllReduce(AtenPass):
         return report
 
 
+class SwapGroupedOutputs(GraphPass):
+    """A planted bug between group_linears and tp_collectives: the first grouped GEMM's split hands
+    its first member the second member's output (two members of one width)."""
+
+    name = "planted_swap_grouped_outputs"
+
+    def run(self, ctx: PassContext) -> PassReport:
+        report = PassReport(self.name)
+        for node in ctx.gm.graph.nodes:
+            sizes = node.args[1] if node.op == "call_function" and node.target in SPLIT_TARGETS else None
+            if isinstance(sizes, (list, tuple)) and len(sizes) > 1 and sizes[0] == sizes[1]:
+                first, second = sorted((u for u in node.users if u.target is operator.getitem), key=lambda u: u.args[1])[:2]
+                first.args, second.args = (node, 1), (node, 0)
+                report.rewritten.append(node.name)
+                break
+        return report
+
+
 def planted(bug: str | None) -> contextlib.AbstractContextManager:
-    """The backend with a planted bug appended to its ATen passes (None: as it is)."""
+    """The backend with a planted bug (None: as it is): an ATen pass appended (drop_all_reduce), or a
+    Torch-IR pass after group_linears (swap_grouped)."""
     if bug is None:
         return contextlib.nullcontext()
+    if bug == "swap_grouped":
+        passes = boost_backend.graph_passes
+
+        def with_swap(config: BoostConfig) -> list[GraphPass]:
+            found = passes(config)
+            at = [p.name for p in found].index("group_linears") + 1
+            return [*found[:at], SwapGroupedOutputs(config), *found[at:]]
+
+        return mock.patch.object(boost_backend, "graph_passes", with_swap)
     assert bug == "drop_all_reduce", bug
     original = boost_backend.aten_passes
     return mock.patch.object(boost_backend, "aten_passes", lambda config: [*original(config), DropOneAllReduce(config)])
@@ -195,26 +227,31 @@ def _scenario(sc: dict[str, Any], prepared: dict[str, Prepared] | None = None) -
     opts = [make_optimizer(sc.get("optim", "adamw"), m.parameters()) for m in runs]
     parity: dict[str, list] = {"loss": [], "grad": []}
     out: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "parity": parity}
-    for _ in range(sc.get("steps", 3)):
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        loss_ref = ref_call(ref, tokens)
-        loss_ref.backward()
-        loss_truth = ref_call(truth, tokens)
-        loss_truth.backward()
-        with loss_context():
-            loss = call(compiled, tokens)
-            loss.backward()
-        if hasattr(loss, "full_tensor"):  # vanilla with PyTorch's loss-parallel: a DTensor loss
-            loss = loss.full_tensor()
-        parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
-        gathered = bc.gather_full_grads(model)
-        out.setdefault("missing_grads", [n for n, g in gathered.items() if g is None])
-        parity["grad"].append(error_pair(gathered, grads(ref), grads(truth)))
-        for opt in opts:
-            opt.step()
+    with warnings.catch_warnings(record=True) as warned:  # verify's, if it drops a rewrite
+        warnings.simplefilter("always", VerifyWarning)
+        for _ in range(sc.get("steps", 3)):
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            loss_ref = ref_call(ref, tokens)
+            loss_ref.backward()
+            loss_truth = ref_call(truth, tokens)
+            loss_truth.backward()
+            with loss_context():
+                loss = call(compiled, tokens)
+                loss.backward()
+            if hasattr(loss, "full_tensor"):  # vanilla with PyTorch's loss-parallel: a DTensor loss
+                loss = loss.full_tensor()
+            parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
+            gathered = bc.gather_full_grads(model)
+            out.setdefault("missing_grads", [n for n, g in gathered.items() if g is None])
+            parity["grad"].append(error_pair(gathered, grads(ref), grads(truth)))
+            for opt in opts:
+                opt.step()
     parity["param"] = error_pair(bc.gather_full_state_dict(model), params(ref), params(truth))
     out["graphs"] = len(rec.graphs)
+    out["verify"] = [g.verify.lines() if g.verify is not None else None for g in rec.graphs]
+    out["verify_warnings"] = [str(w.message) for w in warned if issubclass(w.category, VerifyWarning)]
+    out["dropped"] = [r.name for g in rec.graphs for r in g.reports if r.dropped]
     explained = str(Explanation(config, rec.graphs)).splitlines()
     out["explain_check"] = [line for line in explained if "sharding-consistency check" in line]
     out["explain_outside"] = [line.strip() for line in explained if "outside the blocks" in line]
