@@ -358,3 +358,8 @@ check = torch._check
 def resolve_process_group(group_name: str) -> Any:
     """The process group a functional collective names by ``group_name``."""
     return torch.distributed.distributed_c10d._resolve_process_group(group_name)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``mesh``'s dims as one dim called ``name``, reachable from the root mesh as ``root[name]``."""
+    return mesh._flatten(name)

@@ -118,7 +118,16 @@ class ParallelConfig:
     """
 
     dp: int = 1
-    """Data-parallel ranks."""
+    """Data-parallel replicas (DDP; with ``dp_shard > 1`` the replicate dim of HSDP)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard the weights, gradients and optimizer state (FSDP2,
+    ``torch.distributed.fsdp.fully_shard`` per block, :mod:`boost_compile.train.fsdp`). Each
+    of the ``dp * dp_shard`` data-parallel ranks reads its own share of the batch; ``dp > 1``
+    with it is HSDP (``dp`` replicas of a ``dp_shard``-way sharded model)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free each block's gathered weights after its forward and gather them again for its
+    backward (torchtitan's default; ``false`` keeps them, trading memory for one all-gather per
+    block). The root's weights, which the backward needs first, are kept either way."""
     tp: int = 1
     """Tensor-parallel ranks."""
     plan: Annotated[str, Literal["btp", "megatron", "vanilla", "auto"]] = "auto"
@@ -160,6 +169,11 @@ class ParallelConfig:
     timeout): a hung or lost rank then ends the run, naming the rank and what it waited for,
     and a launcher with restarts (``torchrun --max-restarts``) starts it again. Long enough for
     the slowest rank's first compile and a checkpoint save."""
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different data: ``dp * dp_shard``."""
+        return self.dp * self.dp_shard
 
     def __post_init__(self) -> None:
         check_choices(self, "parallel")

@@ -11,6 +11,7 @@ checkpoints and stops on a signal.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -29,6 +30,7 @@ from boost_compile.train.collective_errors import reported_collectives, step_col
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.data import PackedTokens, load_corpus, make_loaders
 from boost_compile.train.faults import faults_from_env
+from boost_compile.train.fsdp import is_sharded, no_gradient_sync
 from boost_compile.train.memory_report import MemoryReport
 from boost_compile.train.metrics import (
     METRICS_FILE,
@@ -70,13 +72,16 @@ def make_train_step(
     With ``micro_steps > 1`` (gradient accumulation, ``trainer.local_batch``) the rank's batch
     runs as that many equal slices, each loss scaled by ``1 / micro_steps`` before its backward,
     so the summed gradients are those of the batch's mean loss; under DDP only the last slice's
-    backward all-reduces them (the others run in ``no_sync``). The slices have one shape: the
+    backward all-reduces them (the others run in ``no_sync``; under FSDP2 only the last reduce-scatters
+    them). The slices have one shape: the
     compiled step is reused.
     """
     train_fn = parts.train_fn
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
     settings = parts.compile_settings
     no_sync = getattr(train_fn, "no_sync", None)  # DDP's; a one-process module has none
+    if is_sharded(train_fn):  # FSDP2: one reduce-scatter per step, in the last micro-step's backward
+        no_sync = functools.partial(no_gradient_sync, train_fn)
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor, scale: float | None) -> torch.Tensor:
         with autocast(), compat.compile_settings(dynamo=settings) if settings else contextlib.nullcontext():

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.blocks import BlockCompileError, compile_blocks, tensor_parallel
 from boost_compile.config import BoostConfig, ConfigError
@@ -34,6 +35,7 @@ log = logging.getLogger("boost_compile.train")
 
 MESH_DIMS = ("dp", "tp")
 MESH_DIMS_PP = ("pp", "dp", "tp")  # with parallel.pp > 1
+MESH_DIMS_FSDP = ("dp_replicate", "dp_shard", "tp")  # with parallel.dp_shard > 1 ("dp": the first two flattened)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -43,7 +45,9 @@ MESH_DIMS_PP = ("pp", "dp", "tp")  # with parallel.pp > 1
 class Dist:
     """This process's place in the ``(dp, tp)`` mesh, or ``(pp, dp, tp)`` when ``pp > 1``.
 
-    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``.
+    ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``. With FSDP2 (``parallel.dp_shard > 1``)
+    ``dp`` counts every data-parallel rank (replicas x shards; the mesh's ``dp`` dim is the two
+    flattened) and ``dp_shard`` those a weight is sharded over.
     """
 
     world: int
@@ -53,6 +57,9 @@ class Dist:
     device: torch.device
     mesh: Any = None  # DeviceMesh when world > 1
     pp: int = 1
+    dp_shard: int = 1
+    #: FSDP2: the mesh's dp_replicate and dp_shard dims flattened (every data-parallel rank)
+    dp_mesh: Any = None
 
     @property
     def dp_rank(self) -> int:
@@ -71,6 +78,8 @@ class Dist:
         return self.rank == 0
 
     def group(self, dim: str) -> Any:
+        if dim == "dp" and self.dp_mesh is not None:
+            return self.dp_mesh.get_group()
         return None if self.mesh is None else self.mesh[dim].get_group()
 
     def broadcast(self, value: Any) -> Any:
@@ -110,11 +119,15 @@ class Dist:
         return bool(box.item())
 
 
-def build_mesh(device: torch.device, dp: int, tp: int, pp: int = 1) -> Any:
+def build_mesh(device: torch.device, dp: int, tp: int, pp: int = 1, dp_shard: int = 1) -> Any:
     """The DeviceMesh over every process: ``dp`` replicas of ``tp`` consecutive ranks,
-    and with ``pp > 1`` ``pp`` such blocks of ``dp * tp`` ranks (dims ``("pp", "dp", "tp")``)."""
+    and with ``pp > 1`` ``pp`` such blocks of ``dp * tp`` ranks (dims ``("pp", "dp", "tp")``).
+    With ``dp_shard > 1`` (FSDP2) the dims are ``("dp_replicate", "dp_shard", "tp")`` (``Dist``
+    keeps the first two flattened as its ``dp``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if dp_shard > 1:
+        return init_device_mesh(device.type, (dp, dp_shard, tp), mesh_dim_names=MESH_DIMS_FSDP)
     if pp == 1:
         return init_device_mesh(device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
     return init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS_PP)
@@ -138,8 +151,10 @@ def setup_distributed(tc: TrainConfig) -> Dist:
             timeout = datetime.timedelta(seconds=par.timeout_s)  # the mesh's groups inherit it
             dist.init_process_group(backend, device_id=device if use_cuda else None, timeout=timeout,
                                     **_attempt_store(rank, world, timeout))
-        mesh = build_mesh(device, par.dp, par.tp, par.pp)
-    return Dist(world=world, rank=rank, dp=par.dp, tp=par.tp, device=device, mesh=mesh, pp=par.pp)
+        mesh = build_mesh(device, par.dp, par.tp, par.pp, par.dp_shard)
+    dp_mesh = compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if mesh is not None and par.dp_shard > 1 else None
+    return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
+                dp_shard=par.dp_shard, dp_mesh=dp_mesh)
 
 
 def attempt() -> int:
@@ -320,7 +335,9 @@ def build_model_parts(
     ``parallelize_`` traces; needed when ``dev.tp > 1``. ``before_compile`` is
     called with the model once its parameters are final (sharded, cast) and
     before compilation and DDP: the optimizer and a resumed checkpoint bind
-    the parameters there, as DDP's DTensor transform replaces them.
+    the parameters there, as DDP's DTensor transform replaces them. Under FSDP2
+    (``parallel.dp_shard > 1``) it is called after the blocks are compiled and
+    sharded: the parameters are then DTensors, each rank's shard.
     ``recorder``: see :func:`compile_model`.
     """
     model = build_model(tc, shape, dev.device)
@@ -329,6 +346,8 @@ def build_model_parts(
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
         parallelize(model, tc, dev, example)
     cast_weights(model, tc.trainer.precision)
+    if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled
+        return _fsdp_model_parts(model, tc, dev, before_compile)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
@@ -338,3 +357,17 @@ def build_model_parts(
     eval_fn = compiled if dev.tp > 1 or per_block else model
     return ModelParts(model=model, train_fn=train_fn, eval_fn=eval_fn,
                       compile_settings=ddp_compile_settings(tc, dev.dp, per_block))
+
+
+def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist,
+                      bind: Callable[[nn.Module], None] | None) -> ModelParts:
+    """torchtitan's order: the blocks compiled one by one, then ``fully_shard`` per block and the
+    root (train/fsdp.py); the optimizer and a resumed checkpoint bind the sharded parameters."""
+    from boost_compile.train.fsdp import shard_model
+
+    compiled = compile_model(model, tc)
+    mesh = dev.mesh["dp_shard"] if tc.parallel.dp == 1 else dev.mesh["dp_replicate", "dp_shard"]
+    shard_model(compiled, mesh, tc.trainer.precision, tc.parallel.reshard_after_forward)
+    if bind is not None:
+        bind(model)
+    return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)

@@ -39,8 +39,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
     model's norm.
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    if dev.tp == 1 and dev.pp == 1:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if dev.tp == 1 and dev.pp == 1:  # under FSDP2 the gradients are DTensor shards: torch sums their squares
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(total.full_tensor() if is_dtensor(total) else total)
     sharded = torch.zeros((), device=dev.device, dtype=torch.float32)
     whole = torch.zeros((), device=dev.device, dtype=torch.float32)
     for p in params:

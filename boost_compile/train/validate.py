@@ -435,6 +435,31 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
             )
 
 
+def check_fsdp(tc: TrainConfig) -> None:
+    """``parallel.dp_shard > 1`` (FSDP2): what it composes with in this build."""
+    par = tc.parallel
+    if par.dp_shard == 1:
+        return
+    if par.tp > 1 or par.pp > 1:
+        raise ConfigError(
+            f"parallel.dp_shard={par.dp_shard} (FSDP2) runs with parallel.tp=1 and parallel.pp=1 in this build "
+            f"(got tp={par.tp}, pp={par.pp}); shard a TP or pipeline layout with parallel.zero=1 instead"
+        )
+    if par.zero:
+        raise ConfigError(
+            "parallel.zero=1 shards the optimizer state over the DDP replicas, and parallel.dp_shard > 1 (FSDP2) "
+            "already shards it with the weights and gradients; set parallel.zero=0"
+        )
+    if tc.passes.backend != "none" and tc.passes.unit != "block":
+        raise ConfigError(
+            f"parallel.dp_shard={par.dp_shard} (FSDP2) shards the model block by block around blocks compiled one "
+            "by one; use passes.unit=block (got passes.unit=model)"
+        )
+    if tc.trainer.memory_report:
+        raise ConfigError("trainer.memory_report compiles the whole model, and parallel.dp_shard > 1 (FSDP2) "
+                          "needs the blocks compiled one by one; turn one of them off")
+
+
 def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
     """Check every group; raise :class:`ConfigError` with a message naming the fix.
 
@@ -463,17 +488,20 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
 
     # parallel
     _positive("parallel.dp", par.dp)
+    _positive("parallel.dp_shard", par.dp_shard)
     _positive("parallel.tp", par.tp)
-    if tr.batch % par.dp:
-        raise ConfigError(f"trainer.batch={tr.batch} (the global batch) must be divisible by parallel.dp={par.dp}")
+    ranks, named = par.data_ranks, f"parallel.dp={par.dp}" if par.dp_shard == 1 else f"parallel.dp x dp_shard={par.data_ranks}"
+    if tr.batch % ranks:
+        raise ConfigError(f"trainer.batch={tr.batch} (the global batch) must be divisible by {named}")
     if tr.local_batch is not None:
         _positive("trainer.local_batch", tr.local_batch)
-        if (tr.batch // par.dp) % tr.local_batch:
+        if (tr.batch // ranks) % tr.local_batch:
             raise ConfigError(
                 f"trainer.local_batch={tr.local_batch} must divide each rank's share of the global batch "
-                f"(trainer.batch={tr.batch} / parallel.dp={par.dp} = {tr.batch // par.dp}): the micro-steps of "
+                f"(trainer.batch={tr.batch} / {named} = {tr.batch // ranks}): the micro-steps of "
                 "gradient accumulation are equal"
             )
+    check_fsdp(tc)
 
     # model, factorize, passes
     shape = model_shape(tc.model, tr.seq)
@@ -522,12 +550,14 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
         )
 
     # processes (after the model checks: a TP degree that cannot work is the first thing to fix)
-    world = par.pp * par.dp * par.tp
+    world = par.pp * par.data_ranks * par.tp
     started = env_world_size() if world_size is None else world_size
     if world != started:
-        mesh = f"dp={par.dp} x tp={par.tp}" if par.pp == 1 else f"pp={par.pp} x dp={par.dp} x tp={par.tp}"
-        flags = f"parallel.dp={par.dp} parallel.tp={par.tp}" + (f" parallel.pp={par.pp}" if par.pp > 1 else "")
-        product = "dp * tp" if par.pp == 1 else "pp * dp * tp"
+        shard = f" x dp_shard={par.dp_shard}" if par.dp_shard > 1 else ""
+        mesh = f"dp={par.dp}{shard} x tp={par.tp}" if par.pp == 1 else f"pp={par.pp} x dp={par.dp} x tp={par.tp}"
+        flags = (f"parallel.dp={par.dp} parallel.tp={par.tp}" + (f" parallel.pp={par.pp}" if par.pp > 1 else "")
+                 + (f" parallel.dp_shard={par.dp_shard}" if par.dp_shard > 1 else ""))
+        product = ("dp * tp" if par.pp == 1 else "pp * dp * tp").replace("dp", "dp * dp_shard" if par.dp_shard > 1 else "dp")
         if started == 1:
             raise ConfigError(
                 f"parallel {mesh} needs {world} processes, but this is a single process; "

@@ -1,0 +1,118 @@
+"""FSDP2 (``parallel.dp_shard > 1``): the weights, gradients and optimizer state sharded over
+the data-parallel ranks with ``torch.distributed.fsdp.fully_shard``, torchtitan's way.
+
+The order is torchtitan's: the blocks are compiled one by one first (boost's passes make each
+block's graph), then each block becomes an FSDP unit of its own, so that only one block's
+weights are gathered at a time; the input embedding and the output head (with the final norm,
+which feeds only it) are units of their own; the root takes what is left. A unit's weights are
+all-gathered before its forward and, with ``reshard_after_forward``, freed after it and
+gathered again for its backward; its gradients are reduce-scattered as its backward ends.
+
+    embeddings -> block 0 -> ... -> block n-1 -> [norm, head] -> root (the rest)
+
+A weight tied between the embedding and the head (one parameter in two modules) must be in one
+unit: both then stay in the root. Under ``trainer.precision=bf16-mixed`` the gathered weights are
+bf16 and the gradients are reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``); the sharded
+weights the optimizer steps stay fp32. With ``parallel.dp > 1`` the mesh is 2-D (HSDP): each of
+``dp`` replicas holds the model sharded over its ``dp_shard`` ranks, and gradients are
+reduce-scattered within a replica, then all-reduced across replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from boost_compile.blocks import find_blocks, find_head
+
+log = logging.getLogger("boost_compile.train")
+
+
+def fsdp_units(model: nn.Module) -> list[list[str]]:
+    """The modules that become FSDP units, in order, each a list of names (the root not included):
+    the embeddings outside the blocks, every block, the final norm and the head."""
+    blocks = find_blocks(model)
+
+    def outside(name: str) -> bool:
+        return not any(name == b or name.startswith(b + ".") for b in blocks)
+
+    head = find_head(model, blocks)
+    tied = _tied_names(model)
+    units: list[list[str]] = []
+    embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n) and n not in tied]
+    units += [[n] for n in embeddings]
+    units += [[b] for b in blocks]
+    if head is not None and head not in tied:
+        norm = _final_norm(model, blocks, head)
+        units.append([norm, head] if norm is not None and norm not in tied else [head])
+    return units
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Modules that hold a parameter another module holds too (a tied embedding and head)."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(name)
+    return {name for names in owners.values() if len(names) > 1 for name in names}
+
+
+def _final_norm(model: nn.Module, blocks: list[str], head: str) -> str | None:
+    """The module registered just before the head, outside the blocks, when it is a norm (no
+    parameter but a weight and maybe a bias): the final norm, which only the head reads."""
+    before = None
+    for name, module in model.named_children():
+        if name == head:
+            break
+        if name not in blocks and not any(b.startswith(name + ".") for b in blocks):
+            before = (name, module)
+    if before is None:
+        return None
+    name, module = before
+    params = {n for n, _ in module.named_parameters()}
+    return name if params and params <= {"weight", "bias"} and "norm" in type(module).__name__.lower() else None
+
+
+def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forward: bool) -> list[list[str]]:
+    """``fully_shard`` every unit of :func:`fsdp_units`, then the root, over ``mesh`` (1-D: FSDP;
+    2-D ``(dp_replicate, dp_shard)``: HSDP). Returns the units."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if precision == "bf16-mixed" else MixedPrecisionPolicy()
+    units = fsdp_units(model)
+    for unit in units:
+        modules = [model.get_submodule(n) for n in unit]
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward needs it first
+    log.info("FSDP2 over %s: %d units (%s ... %s) and the root", "x".join(map(str, mesh.shape)), len(units),
+             "+".join(units[0]), "+".join(units[-1]))
+    return units
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backwards that keep their gradients unreduced (the micro-steps of gradient accumulation
+    before the last): one reduce-scatter per step, not per micro-step."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor as it is)."""
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -1,0 +1,110 @@
+"""boost-train with FSDP2 (``parallel.dp_shard``, train/fsdp.py) against one process: the blocks
+compiled one by one by the boost backend, then ``fully_shard`` per block, the embedding, the
+final norm with the head, and the root (torchrun on 127.0.0.1, gloo).
+
+- FSDP2 over 2 ranks, each rank's 2 sequences as 2 micro-steps of gradient accumulation (one
+  reduce-scatter per step), gradients clipped over the sharded gradients (trainer=quick clips
+  at 1.0), and with low-rank activation checkpointing;
+- HSDP over 4 ranks (2 replicas x 2 shards);
+- checkpoints written by FSDP2 resume exactly in FSDP2, and in one process and in DDP (DP2)
+  within the parity rule; a DDP checkpoint resumes under FSDP2.
+
+Every run's per-step losses, gradient norms and val loss follow the parity rule (conftest)
+against one-process eager runs of the same config in fp32 and fp64. Per rank, the parameters,
+gradients and AdamW state are measured (``state_mib``: each rank's local shards) against one
+process's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_references
+
+from boost_compile.config import ConfigError
+from boost_compile.train import run
+from boost_compile.train.validate import validate
+
+ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
+FSDP2 = (*ONE, "parallel=fsdp2", "trainer.local_batch=1")
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    return train_references((*FAST, "model=tiny"), tmp_path_factory.mktemp("references"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One process, the boost backend: the per-rank state FSDP2 is measured against."""
+    return run(cfg_of(*ONE, "checkpoint.enabled=false"), tmp_path_factory.mktemp("single") / "run")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    """FSDP2 over 2 ranks with gradient accumulation; checkpoints at steps 3 and 6."""
+    return torchrun(2, list(FSDP2), tmp_path_factory.mktemp("fsdp2") / "run")
+
+
+def test_fsdp2_matches_single_process(fsdp2, references):
+    assert fsdp2["world"] == 2 and fsdp2["steps"] == 6
+    assert_train_parity(fsdp2, references, "fsdp2, 2 micro-steps")
+    log = (Path(fsdp2["run_dir"]) / "train.log").read_text()
+    assert "compiled 2 blocks one by one" in log
+    # units: the embedding, each block, the final norm with the head; then the root
+    assert "FSDP2 over 2: 4 units (tok_embeddings ... norm+output) and the root" in log
+
+
+def test_fsdp2_holds_half_of_one_process_state(fsdp2, single):
+    """Weights, gradients and AdamW state per rank (measured: the bytes of each rank's local
+    shards) within 10% of half of one process's."""
+    mine, whole = fsdp2["state_mib"], single["state_mib"]
+    print(f"per rank, MiB: one process {whole}; FSDP2 over 2 {mine}")
+    for term in ("params", "grads", "optimizer"):
+        assert mine[term] == pytest.approx(whole[term] / 2, rel=0.10), term
+
+
+def test_fsdp2_with_lowrank_checkpointing(references, tmp_path):
+    run_ = torchrun(2, [*FSDP2, "++passes.options.checkpoint=lowrank", "checkpoint.enabled=false"], tmp_path / "ckpt")
+    assert_train_parity(run_, references, "fsdp2, checkpoint=lowrank")
+
+
+def test_hsdp_2x2_matches_single_process(references, single, tmp_path):
+    """Two replicas of the model sharded over two ranks each (one sequence a rank): the gradients
+    reduce-scattered within a replica and all-reduced across the two; each rank holds half of one
+    process's state."""
+    run4 = torchrun(4, [*ONE, "parallel=hsdp2x2", "checkpoint.enabled=false"], tmp_path / "hsdp")
+    assert run4["world"] == 4
+    assert_train_parity(run4, references, "hsdp 2 x 2")
+    assert run4["state_mib"]["optimizer"] == pytest.approx(single["state_mib"]["optimizer"] / 2, rel=0.10)
+
+
+def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
+    """Step 3's checkpoint (each rank's DTensor shards) resumes exactly under FSDP2, and within the
+    parity rule in one process and under DDP; DDP's step-3 checkpoint resumes under FSDP2."""
+    checkpoint = Path(fsdp2["run_dir"]) / "checkpoints" / "step_000003"
+    resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
+    again = torchrun(2, [*FSDP2, *resume], tmp_path / "again")
+    assert again["start_step"] == 3
+    assert again["losses"] == pytest.approx(fsdp2["losses"][3:], abs=1e-6, rel=0)
+    one = run(cfg_of(*ONE, *resume), tmp_path / "one")
+    assert_train_parity(one, references, "one process from the FSDP2 checkpoint", first=3)
+    to_ddp = torchrun(2, [*ONE, "parallel=dp2", *resume], tmp_path / "to_ddp")
+    assert_train_parity(to_ddp, references, "DDP from the FSDP2 checkpoint", first=3)
+    ddp = torchrun(2, [*ONE, "parallel=dp2"], tmp_path / "ddp")
+    from_ddp = Path(ddp["run_dir"]) / "checkpoints" / "step_000003"
+    back = torchrun(2, [*FSDP2, "trainer.resume=true", f"checkpoint.resume_from={from_ddp}"], tmp_path / "back")
+    assert back["start_step"] == 3
+    assert_train_parity(back, references, "FSDP2 from the DDP checkpoint", first=3)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("parallel=fsdp2", "parallel.tp=2"), r"parallel.dp_shard=2 \(FSDP2\) runs with parallel.tp=1 and parallel.pp=1"),
+    (("parallel=fsdp2", "parallel.zero=1"), "already shards it with the weights and gradients; set parallel.zero=0"),
+    (("parallel=fsdp2", "passes.unit=model"), "use passes.unit=block"),
+    (("parallel=fsdp2", "trainer.batch=3"), r"must be divisible by parallel.dp x dp_shard=2"),
+])
+def test_fsdp2_refuses_what_it_does_not_compose_with(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg_of(*ONE, *overrides), world_size=4 if "parallel.tp=2" in overrides else 2)
