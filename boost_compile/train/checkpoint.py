@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from boost_compile.config import ConfigError
-from boost_compile.train.checkpoint_shards import to_local, to_saved
+from boost_compile.train.checkpoint_shards import over_fsdp_gathered, to_local, to_saved
 from boost_compile.train.config import CheckpointConfig, TrainConfig
 from boost_compile.train.data import PackedTokens
 from boost_compile.train.optim import local_optimizer
@@ -267,6 +267,8 @@ class Checkpointer:
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
         model_sd, optim_sd = get_state_dict(self.model, local_optimizer(self.optimizer), options=options)
         if self.dev.tp > 1:
+            if self.dev.dp_shard > 1:  # FSDP2's slices of the TP shards: each shard whole first
+                model_sd, optim_sd = over_fsdp_gathered(model_sd, optim_sd)
             model_sd, optim_sd = to_saved(self.model, self.dev.mesh["tp"], model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
         if self.dev.device.type == "cuda":
@@ -515,8 +517,10 @@ def _cause(exc: BaseException) -> str:
     (exception, traceback): the first rank's exception)."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # load_state_dict's "Error(s) in loading ...:", then what
+        lines[0] = f"{lines[0]} {lines[1]}"
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _pickled(obj: Any) -> torch.Tensor:

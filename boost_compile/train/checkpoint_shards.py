@@ -126,20 +126,43 @@ def to_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any
     """What :func:`to_saved` made, after DCP loaded into it, back as the plain shards
     ``parallelize_`` keeps (a model whose parameters are DTensors keeps DTensors), each the
     live shard's shape: padding zeros re-added, a fused weight gathered and cut part by part
-    again (collective on the tp group, as :func:`to_saved`)."""
+    again (collective on the tp group, as :func:`to_saved`); under TP x FSDP2 each shard then
+    cut again into this rank's FSDP2 slice (:func:`refit`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     specs = _specs(model)
 
     def unwrap(name: str, t: Any) -> Any:
         live, spec = params.get(name), specs.get(name)
-        if not is_dtensor(t) or is_dtensor(live):
+        tp_shard = spec is not None and spec.dim is not None and live is not None
+        if isinstance(t, torch.Tensor) and t.dim() == 0:  # an optimizer's step count: the same everywhere
             return t
-        if spec is None or spec.dim is None or live is None:
+        if is_dtensor(live) and not tp_shard:  # vanilla's or FSDP2's DTensor: loaded in place, or under
+            return t if is_dtensor(t) else refit(t, live)  # TP x FSDP2 a whole replicated tensor to cut
+        if not is_dtensor(t):
+            return t
+        if not tp_shard:
             return t.to_local()
-        return local_form(t, spec, live.shape)
+        mine = local_form(t, spec, live.shape)  # an FSDP2 DTensor's shape is its TP shard's
+        return refit(mine, live) if is_dtensor(live) else mine
 
     model_sd = {name: unwrap(name, t) for name, t in model_sd.items()}
     return model_sd, map_optim_state(optim_sd, unwrap)
+
+
+def over_fsdp_gathered(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
+    """TP x FSDP2: each TP shard whole again from its FSDP2 slices (a DTensor over the dp_shard
+    mesh), the form :func:`to_saved` takes. Collective on the dp_shard group, in the keys' order."""
+    def gather(_name: str, t: Any) -> Any:
+        return t.full_tensor() if is_dtensor(t) else t
+
+    return {name: gather(name, t) for name, t in model_sd.items()}, map_optim_state(optim_sd, gather)
+
+
+def refit(mine: torch.Tensor, live: Any) -> Any:
+    """This rank's TP shard ``mine`` as FSDP2 holds it: ``live``'s DTensor layout over the dp_shard mesh."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(mine.to(live.dtype), live.device_mesh, live.placements)
 
 
 def local_form(t: Any, spec: ShardSpec, shape: torch.Size) -> torch.Tensor:

@@ -86,14 +86,54 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16-mixed" else MixedPrecisionPolicy()
     units = fsdp_units(model)
+    specs = tp_specs(model)
+    head = units[-1] if units and units[-1][-1] == find_head(model, find_blocks(model)) else None
     for unit in units:
         modules = [model.get_submodule(n) for n in unit]
+        # the head's weights are the backward's first need: gathering them again at once would buy nothing
+        # (torchtitan keeps them too); and a vocabulary-parallel head's eager logits (VocabShardedLogits)
+        # are not a tensor FSDP2 hooks its re-gather for the backward on
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward and unit is not head)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward needs it first
+    if specs:
+        keep_tp_specs(model, [n for unit in units for n in unit], specs)
     log.info("FSDP2 over %s: %d units (%s ... %s) and the root", "x".join(map(str, mesh.shape)), len(units),
              "+".join(units[0]), "+".join(units[-1]))
     return units
+
+
+def tp_specs(model: nn.Module) -> dict[str, Any]:
+    """Each TP-sharded parameter's ``ShardSpec`` (``parallelize_``'s ``_boost_tp``), by name."""
+    return {n: p._boost_tp for n, p in model.named_parameters(remove_duplicate=False)
+            if getattr(p, "_boost_tp", None) is not None}
+
+
+def keep_tp_specs(model: nn.Module, units: list[str], specs: dict[str, Any]) -> None:
+    """Put each TP shard's spec back on the parameters FSDP2 made of it.
+
+    ``fully_shard`` replaces every parameter by a DTensor of its dp_shard slices, and before each
+    forward sets the module's parameter to the gathered tensor, again a new object: both lose the
+    ``_boost_tp`` the boost backend's TP passes (and the clipping, the checkpoints) read. A forward
+    pre-hook on each unit, after FSDP2's gather, puts it on the gathered parameters (the same
+    objects from step to step: FSDP2 frees and refills their storage); the DTensor shards get it now.
+    """
+    def tag(module: nn.Module, prefix: str) -> None:
+        for name, p in module.named_parameters(remove_duplicate=False):
+            spec = specs.get(prefix + name)
+            if spec is not None and getattr(p, "_boost_tp", None) is not spec:
+                p._boost_tp = spec
+
+    def hook_for(prefix: str):
+        @torch.compiler.disable
+        def hook(module: nn.Module, _args: Any) -> None:
+            tag(module, prefix)
+        return hook
+
+    tag(model, "")
+    for name in ["", *units]:
+        module = model.get_submodule(name) if name else model
+        module.register_forward_pre_hook(hook_for(f"{name}." if name else ""))
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -34,7 +34,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
     """Clip to the global gradient norm; returns it (before clipping).
 
     With tp, the shards of a parameter count once (their squared norms are summed
-    over the tp group, a replicated parameter's are not); with pp, every stage's
+    over the tp group, a replicated parameter's are not; under FSDP2 each TP shard's squared norm is
+    first summed over its dp_shard slices); with pp, every stage's
     squared norm is summed over the pp group, so every stage clips with the whole
     model's norm.
     """
@@ -46,11 +47,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
     whole = torch.zeros((), device=dev.device, dtype=torch.float32)
     for p in params:
         g = p.grad
-        if is_dtensor(g):
-            whole += torch.linalg.vector_norm(g.float()).full_tensor() ** 2
-            continue
         spec = getattr(p, "_boost_tp", None)
-        sq = g.detach().float().pow(2).sum()
+        if is_dtensor(g):  # vanilla's DTensor (whole once gathered), or FSDP2's slices of a TP shard
+            sq = torch.linalg.vector_norm(g.detach().float()).full_tensor() ** 2
+        else:
+            sq = g.detach().float().pow(2).sum()
         if spec is not None and spec.dim is not None:
             sharded += sq
         else:

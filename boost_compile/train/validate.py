@@ -440,11 +440,14 @@ def check_fsdp(tc: TrainConfig) -> None:
     par = tc.parallel
     if par.dp_shard == 1:
         return
-    if par.tp > 1 or par.pp > 1:
+    if par.pp > 1:
         raise ConfigError(
-            f"parallel.dp_shard={par.dp_shard} (FSDP2) runs with parallel.tp=1 and parallel.pp=1 in this build "
-            f"(got tp={par.tp}, pp={par.pp}); shard a TP or pipeline layout with parallel.zero=1 instead"
+            f"parallel.dp_shard={par.dp_shard} (FSDP2) runs with parallel.pp=1 in this build (got pp={par.pp}); "
+            "shard a pipeline layout's optimizer state with parallel.zero=1 instead"
         )
+    if par.tp > 1 and par.plan == "vanilla":
+        raise ConfigError("parallel.dp_shard > 1 (FSDP2) shards btp's and megatron's TP shards; parallel.plan=vanilla's "
+                          "DTensor parameters are not supported with it: use plan=btp or megatron")
     if par.zero:
         raise ConfigError(
             "parallel.zero=1 shards the optimizer state over the DDP replicas, and parallel.dp_shard > 1 (FSDP2) "

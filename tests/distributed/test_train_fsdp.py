@@ -99,12 +99,33 @@ def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
     assert_train_parity(back, references, "FSDP2 from the DDP checkpoint", first=3)
 
 
+def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single, tmp_path):
+    """btp over TP pairs, FSDP2 over the pairs (4 ranks): FSDP2 shards each rank's TP shard
+    further (the TP spec kept on the parameters it makes, for the backend's TP passes), with
+    gradient accumulation. Step 3's checkpoint (each TP shard gathered from its FSDP2 slices,
+    saved as DCP's DTensor of the whole) resumes exactly in the same layout and in one process
+    within the parity rule."""
+    layout = (*ONE, "parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=btp", "trainer.local_batch=1")
+    run4 = torchrun(4, list(layout), tmp_path / "tpfsdp")
+    assert run4["world"] == 4
+    assert_train_parity(run4, references, "tp2 btp x fsdp2")
+    # a TP2 rank holds about half the weights, FSDP2 half of that
+    assert run4["state_mib"]["total"] < 0.3 * single["state_mib"]["total"], (run4["state_mib"], single["state_mib"])
+    checkpoint = tmp_path / "tpfsdp" / "checkpoints" / "step_000003"
+    resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
+    again = torchrun(4, [*layout, *resume], tmp_path / "again")
+    assert again["losses"] == pytest.approx(run4["losses"][3:], abs=1e-6, rel=0)
+    one = run(cfg_of(*ONE, *resume), tmp_path / "one")
+    assert_train_parity(one, references, "one process from the tp2 x fsdp2 checkpoint", first=3)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
-    (("parallel=fsdp2", "parallel.tp=2"), r"parallel.dp_shard=2 \(FSDP2\) runs with parallel.tp=1 and parallel.pp=1"),
+    (("parallel=fsdp2", "parallel.pp=2"), r"parallel.dp_shard=2 \(FSDP2\) runs with parallel.pp=1 in this build"),
+    (("parallel=fsdp2", "parallel.tp=2", "parallel.plan=vanilla"), "parallel.plan=vanilla's DTensor parameters are not supported"),
     (("parallel=fsdp2", "parallel.zero=1"), "already shards it with the weights and gradients; set parallel.zero=0"),
     (("parallel=fsdp2", "passes.unit=model"), "use passes.unit=block"),
     (("parallel=fsdp2", "trainer.batch=3"), r"must be divisible by parallel.dp x dp_shard=2"),
 ])
 def test_fsdp2_refuses_what_it_does_not_compose_with(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate(cfg_of(*ONE, *overrides), world_size=4 if "parallel.tp=2" in overrides else 2)
+        validate(cfg_of(*ONE, *overrides), world_size=4 if "parallel.tp=2" in overrides or "parallel.pp=2" in overrides else 2)
