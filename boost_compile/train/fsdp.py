@@ -5,8 +5,9 @@ The order is torchtitan's: the blocks are compiled one by one first (boost's pas
 block's graph), then each block becomes an FSDP unit of its own, so that only one block's
 weights are gathered at a time; the input embedding and the output head (with the final norm,
 which feeds only it) are units of their own; the root takes what is left. A unit's weights are
-all-gathered before its forward and, with ``reshard_after_forward``, freed after it and
-gathered again for its backward; its gradients are reduce-scattered as its backward ends.
+all-gathered before its forward (issued as the unit before it starts computing: ``prefetch``)
+and, with ``reshard_after_forward``, freed after it and gathered again for its backward (issued
+as the unit after it starts its backward); its gradients are reduce-scattered as its backward ends.
 
     embeddings -> block 0 -> ... -> block n-1 -> [norm, head] -> root (the rest)
 
@@ -96,11 +97,22 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and unit is not head)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward needs it first
+    prefetch(model, units)
     if specs:
         keep_tp_specs(model, [n for unit in units for n in unit], specs)
     log.info("FSDP2 over %s: %d units (%s ... %s) and the root", "x".join(map(str, mesh.shape)), len(units),
              "+".join(units[0]), "+".join(units[-1]))
     return units
+
+
+def prefetch(model: nn.Module, units: list[list[str]]) -> None:
+    """Each unit's forward issues the all-gather of the next unit's weights before it computes, and
+    each unit's backward that of the unit before it: the gather of block i+1 runs while block i
+    computes. FSDP2 prefetches one unit in the backward by itself; the forward needs to be told."""
+    modules = [model.get_submodule(unit[0]) for unit in units]
+    for here, after in zip(modules, modules[1:], strict=False):
+        here.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([here])
 
 
 def tp_specs(model: nn.Module) -> dict[str, Any]:
