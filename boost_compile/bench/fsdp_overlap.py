@@ -125,7 +125,8 @@ def measure(ranks: int = 2, preset: str = "tiny", layers: int = 4, prefetch: boo
 
 def show(result: dict[str, Any]) -> str:
     lines = [f"FSDP2 over {result['ranks']} gloo ranks, {result['preset']} with {result['layers']} layers, "
-             f"{'' if result['prefetch'] else 'no '}forward prefetch, rank 0, ms from the step's first FSDP2 range", "", "| range | unit | start | end |", "|---|---|---:|---:|"]
+             f"{'' if result['prefetch'] else 'no '}forward prefetch, rank 0, ms from the step's first FSDP2 range",
+             "", "| range | unit | start | end |", "|---|---|---:|---:|"]
     wanted = ("pre_forward", "post_forward", "all_gather", "pre_backward", "post_backward_reduce")
     lines += [f"| {r['kind']} | {r['unit']} | {r['start']:.2f} | {r['end']:.2f} |" for r in result["ranges"]
               if r["kind"] in wanted]
