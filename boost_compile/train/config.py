@@ -108,7 +108,7 @@ class FactorizeGroup:
 class ParallelConfig:
     """``parallel=``: the mesh, ``pp`` pipeline x ``dp`` data-parallel x ``tp`` tensor-parallel ranks.
 
-    ``pp * dp * tp`` must equal the number of processes (``torchrun
+    ``pp * dp * dp_shard * tp`` must equal the number of processes (``torchrun
     --nproc-per-node`` times nodes).
 
     Pipeline parallelism (``pp > 1``, :mod:`boost_compile.train.pipeline`): the

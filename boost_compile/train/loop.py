@@ -240,7 +240,8 @@ class Trainer:
         boost = boost_options(tc.passes)
         backend = tc.passes.backend + (f"(inner={boost.inner})" if boost is not None else "")
         model_name = tc.model.preset if self.shape.kind == "preset" else f"hf:{self.shape.hf_config.model_type}"
-        mesh = f"dp={dev.dp} tp={dev.tp}" if dev.pp == 1 else f"pp={dev.pp} dp={dev.dp} tp={dev.tp}"
+        dp = f"dp={dev.dp}" if dev.dp_shard == 1 else f"dp={dev.dp // dev.dp_shard}x{dev.dp_shard} (fsdp2)"
+        mesh = f"{dp} tp={dev.tp}" if dev.pp == 1 else f"pp={dev.pp} {dp} tp={dev.tp}"
         self.title = f"{model_name}, {backend}, {mesh}: {self.label}"
         if dev.pp > 1:
             par = tc.parallel

@@ -194,7 +194,7 @@ def is_dtensor(t: Any) -> bool:
 def global_numel(p: torch.Tensor, dev: Dist) -> int:
     """Elements of the whole parameter, whether or not this rank holds only a TP shard."""
     spec = getattr(p, "_boost_tp", None)
-    if not is_dtensor(p) and spec is not None and spec.dim is not None:
+    if spec is not None and spec.dim is not None:  # a TP shard (under FSDP2 a DTensor whose whole is the shard)
         if spec.size is not None:  # a padded vocabulary: count the real rows only
             return p.numel() // p.shape[spec.dim] * spec.size
         return p.numel() * dev.tp

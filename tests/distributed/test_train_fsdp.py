@@ -21,6 +21,7 @@ process's.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -28,10 +29,16 @@ from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_referenc
 
 from boost_compile.config import ConfigError
 from boost_compile.train import run
+from boost_compile.train.metrics import read_metrics
 from boost_compile.train.validate import validate
 
 ONE = (*FAST, "model=tiny", "passes=boost_aot_eager", "trainer.save_every=3")
 FSDP2 = (*ONE, "parallel=fsdp2", "trainer.local_batch=1")
+
+
+def params_logged(run_dir: Path) -> str:
+    """The parameter count boost-train logs (the MFU's), from its train.log."""
+    return re.search(r"params=([\d,]+)", (run_dir / "train.log").read_text()).group(1)
 
 
 @pytest.fixture(scope="module")
@@ -115,13 +122,11 @@ def test_the_next_blocks_gather_is_issued_during_this_ones_forward():
 
 
 def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
-    """Step 3's checkpoint (each rank's DTensor shards) resumes exactly under FSDP2, and within the
-    parity rule in one process and under DDP; DDP's step-3 checkpoint resumes under FSDP2."""
+    """Step 3's checkpoint (each rank's DTensor shards) resumes within the parity rule in one process
+    and under DDP; DDP's step-3 checkpoint resumes under FSDP2. (Exactly under FSDP2 again:
+    test_fsdp2_restarts_after_a_killed_worker.)"""
     checkpoint = Path(fsdp2["run_dir"]) / "checkpoints" / "step_000003"
     resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
-    again = torchrun(2, [*FSDP2, *resume], tmp_path / "again")
-    assert again["start_step"] == 3
-    assert again["losses"] == pytest.approx(fsdp2["losses"][3:], abs=1e-6, rel=0)
     one = run(cfg_of(*ONE, *resume), tmp_path / "one")
     assert_train_parity(one, references, "one process from the FSDP2 checkpoint", first=3)
     to_ddp = torchrun(2, [*ONE, "parallel=dp2", *resume], tmp_path / "to_ddp")
@@ -143,14 +148,30 @@ def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single,
     run4 = torchrun(4, list(layout), tmp_path / "tpfsdp")
     assert run4["world"] == 4
     assert_train_parity(run4, references, "tp2 btp x fsdp2")
-    # a TP2 rank holds about half the weights, FSDP2 half of that
+    # a TP2 rank holds about half the weights, FSDP2 half of that; the whole model's parameters
+    # counted (for the MFU) from shards of shards
     assert run4["state_mib"]["total"] < 0.3 * single["state_mib"]["total"], (run4["state_mib"], single["state_mib"])
+    assert "dp=1x2 (fsdp2) tp=2" in (tmp_path / "tpfsdp" / "train.log").read_text()
+    from boost_compile.models import Llama, LlamaConfig
+
+    whole = sum(p.numel() for p in Llama(LlamaConfig.preset("tiny")).parameters())
+    assert params_logged(tmp_path / "tpfsdp") == f"{whole:,}"
     checkpoint = tmp_path / "tpfsdp" / "checkpoints" / "step_000003"
     resume = ("trainer.resume=true", f"checkpoint.resume_from={checkpoint}")
     again = torchrun(4, [*layout, *resume], tmp_path / "again")
     assert again["losses"] == pytest.approx(run4["losses"][3:], abs=1e-6, rel=0)
     one = run(cfg_of(*ONE, *resume), tmp_path / "one")
     assert_train_parity(one, references, "one process from the tp2 x fsdp2 checkpoint", first=3)
+
+
+def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
+    """Rank 1 SIGKILLed after step 5 (checkpoints at 3 and 6): torchrun restarts the group, which
+    resumes (trainer.resume=auto) from step 3's shards and ends with the uninterrupted run's losses."""
+    out = tmp_path / "run"
+    summary = torchrun(2, [*FSDP2, "trainer.resume=auto"], out, restarts=1, env={"BOOST_COMPILE_FAULT": "kill:1:5"})
+    assert summary["status"] == "completed" and summary["restarts"] == 1 and summary["start_step"] == 3
+    losses = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+    assert [losses[s] for s in sorted(losses)] == pytest.approx(fsdp2["losses"], abs=1e-6, rel=0)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

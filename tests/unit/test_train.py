@@ -62,7 +62,7 @@ def test_every_group_option_composes(group, option):
     if group != "experiment":
         assert set(cfg) == set(GROUPS)
     par = cfg.parallel
-    world = par.dp * par.tp
+    world = par.dp * par.dp_shard * par.tp
     expected = NEEDS_MORE.get((group, option))
     if group == "parallel" and par.tp > 1 and not tp_available():
         expected = "not available"
