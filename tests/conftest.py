@@ -435,10 +435,12 @@ def grad_norms(summary: dict) -> list[float]:
     return [r["grad_norm"] for r in read_metrics(Path(summary["run_dir"]) / "metrics.jsonl") if "grad_norm" in r]
 
 
-def assert_train_parity(tested: dict, references: tuple[dict, dict], what: str = "", first: int = 0) -> float:
+def assert_train_parity(tested: dict, references: tuple[dict, dict], what: str = "", first: int = 0,
+                        dtype: torch.dtype | str = torch.float32) -> float:
     """The parity rule on a boost-train run's per-step losses, gradient norms and val loss.
 
-    ``first``: the step the tested run starts from (a resumed run), within the references'.
+    ``first``: the step the tested run starts from (a resumed run), within the references';
+    ``dtype``: the precision whose rounding the rule allows (bfloat16 for ``bf16-mixed`` runs).
     """
     eager, truth = references
     errors = {"loss": loss_errors(tested["losses"], eager["losses"][first:], truth["losses"][first:])}
@@ -447,4 +449,4 @@ def assert_train_parity(tested: dict, references: tuple[dict, dict], what: str =
         errors["grad_norm"] = loss_errors(norms[0], norms[1][first:], norms[2][first:])
     if truth.get("val_loss") is not None:
         errors["val_loss"] = loss_errors([tested["val_loss"]], [eager["val_loss"]], [truth["val_loss"]])
-    return assert_parity(errors, what=what)
+    return assert_parity(errors, dtype, what=what)

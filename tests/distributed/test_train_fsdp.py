@@ -91,6 +91,16 @@ def test_hsdp_2x2_matches_single_process(references, single, tmp_path):
     assert run4["state_mib"]["optimizer"] == pytest.approx(single["state_mib"]["optimizer"] / 2, rel=0.10)
 
 
+def test_fsdp2_bf16_mixed_gathers_bf16_and_reduces_in_fp32(tmp_path):
+    """trainer.precision=bf16-mixed: FSDP2's MixedPrecisionPolicy (bf16 weights gathered, fp32
+    gradient reduction, fp32 shards stepped) against one process's bf16-mixed (autocast) run, under
+    the rule's bfloat16 bound."""
+    mixed = ("trainer.precision=bf16-mixed",)
+    references = train_references((*FAST, "model=tiny", *mixed), tmp_path / "references")
+    tested = torchrun(2, [*FSDP2, *mixed, "checkpoint.enabled=false"], tmp_path / "run")
+    assert_train_parity(tested, references, "fsdp2 bf16-mixed", dtype="bfloat16")
+
+
 @pytest.mark.parametrize("layout", [("parallel=hsdp2x2",),
                                     ("parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=btp", "trainer.local_batch=1")],
                          ids=["hsdp2x2", "tp2-btp-x-fsdp2"])
