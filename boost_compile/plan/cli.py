@@ -3,11 +3,12 @@
     boost-plan --model cola-7b --devices 4 --batch 4 --seq 4096 --hardware a100-80gb-nvlink
     boost-plan --model path/to/config.json --devices 64 --per-node 8 --hardware h200 --json plan.json
 
-The model is a preset (``cola-60m``), a boost-train model config (``hydra_conf/model/*.yaml``
-by name or path) or a Hugging Face ``config.json`` (or its folder). The table lists
-the best layouts that fit, each with its predicted step, tokens/s and memory per
-device by term; below it the launch command of each row. ``--json FILE`` writes
-every row, best first.
+The model is a preset (``cola-60m``, or one the planner adds: ``cola-13b``), a boost-train
+model config (``hydra_conf/model/*.yaml`` by name or path) or a Hugging Face ``config.json``
+(or its folder). The table lists the best layouts that fit, each with its predicted step,
+tokens/s and memory per device by term (FSDP2's columns when a row shown has them); below
+it the launch command of each row. ``--json FILE`` writes every row, best first.
+``--no-fsdp`` leaves FSDP2 and HSDP layouts out.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from pathlib import Path
 
 from boost_compile.costmodel.hardware import HARDWARE_FILES, load_hardware
 from boost_compile.plan.memory import PRECISIONS
-from boost_compile.plan.model import ModelSpec, factorized, from_hf_config, from_preset
+from boost_compile.plan.model import SHAPE_PRESETS, ModelSpec, factorized, from_hf_config, from_preset, preset_args
 from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory
 
 TERM_LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "dp_buckets": "ddp",
                "activations": "acts", "head": "head", "temporary": "temp"}
+#: FSDP2's terms: a column each when a row shown has it
+FSDP_LABELS = {"fsdp_gathered": "gathered", "fsdp_kept": "kept", "fsdp_accum": "accum"}
 
 
 def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec, tuple[str, ...]]:
@@ -38,6 +41,9 @@ def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec,
         args = (f"model={model}" if named else f"model.preset={model}",) + (
             (f"+model.overrides.vocab_size={vocab_size}",) if vocab_size else ())
         return from_preset(model, **overrides), args
+    if model in SHAPE_PRESETS:
+        vocab = (f"+model.overrides.vocab_size={vocab_size}",) if vocab_size else ()
+        return from_preset(model, **({"vocab_size": vocab_size} if vocab_size else {})), preset_args(model) + vocab
     if path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file()):
         spec = from_hf_config(path)
         return (spec.with_vocab(vocab_size) if vocab_size else spec), ("model=hf", f"model.hf_path={path}")
@@ -84,13 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     p.add_argument("--hardware", default="a100-80gb-nvlink", help=f"{', '.join(HARDWARE_FILES)} or a path to a hardware file")
     p.add_argument("--memory-gib", type=float, default=None,
-                   help=f"usable memory per device (default: {USABLE:.0%} of the hardware file's memory_gib)")
+                   help=f"usable memory per device (default: {USABLE * 100:.0f}%% of the hardware file's memory_gib)")
     p.add_argument("--precision", default=None, choices=list(PRECISIONS), help="trainer.precision (default: fp32 on cpu, bf16-mixed else)")
     p.add_argument("--vocab-size", type=int, default=None, help="the vocabulary the run trains with (default: the model's)")
     p.add_argument("--rank", type=int, default=None, help="plan a dense model factorized at this rank (boost-train's factorize=)")
     p.add_argument("--plans", nargs="+", default=None, choices=["btp", "megatron", "vanilla"],
                    help="TP plans to consider (default: btp and vanilla for low-rank models, megatron for dense)")
     p.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
+    p.add_argument("--no-fsdp", action="store_true", help="leave out FSDP2 and HSDP layouts (parallel.dp_shard > 1)")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row, best first, as JSON")
 
@@ -114,8 +121,11 @@ def make_job(args: argparse.Namespace) -> Job:
 
 def table(rows: Sequence[Row], job: Job, top: int) -> str:
     """The ranked table (markdown) and the commands of its rows."""
-    terms = list(TERM_LABELS)
-    head = ["#", "layout", "step (s)", "tokens/s", "memory (GiB)", *(TERM_LABELS[t] for t in terms), "fits"]
+    fitting = [r for r in rows if r.fits]
+    shown = (fitting or list(rows))[:top]  # the layouts that fit; when none does, the nearest misses
+    labels = {**TERM_LABELS, **{t: k for t, k in FSDP_LABELS.items() if any(r.terms_gib.get(t) for r in shown)}}
+    terms = list(labels)
+    head = ["#", "layout", "step (s)", "tokens/s", "memory (GiB)", *(labels[t] for t in terms), "fits"]
     lines = [
         f"{job.spec.name} ({job.spec.num_params() / 1e6:,.1f}M params, {job.spec.kind}, d {job.spec.dim} x "
         f"{job.spec.n_layers} layers, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
@@ -125,8 +135,6 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|",
     ]
-    fitting = [r for r in rows if r.fits]
-    shown = (fitting or list(rows))[:top]  # the layouts that fit; when none does, the nearest misses
     for i, r in enumerate(shown, 1):
         cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib:.2f}",
                  *(f"{r.terms_gib[t]:.2f}" for t in terms), "yes" if r.fits else "no"]
@@ -140,6 +148,8 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
         lines += ["", f"Startup of the first choice, the cold compile (empty Inductor cache): {startup}."]
         if first.overlap_s:
             lines.append(f"Its data-parallel all-reduce hidden behind the backward: {-first.overlap_s:.3f} s a step.")
+        if first.fsdp_s:
+            lines.append(f"Its FSDP2 all-gathers, reduce-scatters and copies not hidden behind compute: {first.fsdp_s:.3f} s a step.")
     return "\n".join(lines)
 
 
@@ -167,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"boost-plan: {exc}") from exc
     bar, update = _progress()
     try:
-        rows = search(job, plans=tuple(args.plans) if args.plans else None, checkpoints=tuple(args.checkpoints), progress=update)
+        rows = search(job, plans=tuple(args.plans) if args.plans else None, checkpoints=tuple(args.checkpoints),
+                      progress=update, fsdp=not args.no_fsdp)
     finally:
         bar.close()
     if args.json:

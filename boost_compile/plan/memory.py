@@ -25,13 +25,34 @@ backward's start (activations in flight, the head, the logits' gradient, the blo
 being recomputed; under a pipeline also the gradients, which the micro-batches
 accumulate into from the first backward on) and the optimizer step (gradients and the update's temporary): the sum of the terms live
 then (:attr:`Memory.live`). ``temporary`` is the transient of that phase.
+
+FSDP2 (``dp_shard > 1``, HSDP with ``dp > 1``; no pipeline): boost-train's units
+(:func:`boost_compile.plan.model.fsdp_units`: the embedding, each block, the final norm
+with the head, the root) are cut over the ``dp_shard`` ranks, each rank holding a
+``1 / dp_shard`` slice of every TP shard (rounded up), so that ``params``, ``grads`` and
+``optimizer`` are the sliced sums and there are no DDP buckets. Gathered for compute,
+in FSDP2's ``param_dtype`` (bf16 under bf16-mixed, else the weights'):
+
+- ``fsdp_gathered``: the largest block unit's whole TP shard times the blocks alive at
+  once: the one computing and the one prefetched (2), or with
+  ``reshard_after_forward=false`` every block (each stays gathered from its forward to
+  its backward);
+- ``fsdp_kept``: the units that stay gathered from their forward to their backward: the
+  root, the final norm with the head (boost-train never reshards it after the forward)
+  and, with ``reshard_after_forward=false``, the embedding;
+- ``fsdp_accum``: under gradient accumulation, the unsharded gradients the micro-steps
+  before the last keep (``set_requires_gradient_sync(False)``), in the reduce dtype;
+- and in ``temporary`` at the backward, the reduce-scatter's input of the largest unit:
+  its unsharded gradient and its copy in the reduce dtype.
+
+All four live at the backward; the optimizer step holds only the slices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from boost_compile.plan.model import ModelSpec, Tensor, local_numel, stage_blocks
+from boost_compile.plan.model import ModelSpec, Tensor, fsdp_units, local_numel, stage_blocks
 
 GIB = 2**30
 
@@ -45,6 +66,12 @@ class Precision:
     activations: int
     optimizer: int  # one AdamW moment (torch keeps them in the parameter's dtype)
 
+    @property
+    def gathered(self) -> int:
+        """Bytes per element of the weights FSDP2 gathers: its ``param_dtype``, bf16 under bf16-mixed
+        (the activations' dtype in every precision)."""
+        return self.activations
+
 
 PRECISIONS = {
     "fp32": Precision("fp32", 4, 4, 4),
@@ -57,6 +84,8 @@ LOSS_BYTES = 4
 #: a recomputed attention's generator state, saved per block (the CPU generator's; CUDA's is 16 bytes)
 RNG_STATE_BYTES = 5056
 TERMS = ("params", "grads", "optimizer", "dp_buckets", "activations", "head", "temporary")
+#: FSDP2's terms (dp_shard > 1), live at the backward
+FSDP_TERMS = ("fsdp_gathered", "fsdp_kept", "fsdp_accum")
 
 
 @dataclass(frozen=True)
@@ -154,19 +183,51 @@ def zero_share(numels: list[int], dp: int) -> int:
     return max(loads)
 
 
+def fsdp_shard(numel: int, dp_shard: int) -> int:
+    """Elements of one rank's FSDP2 slice of a tensor of ``numel`` (the TP shard): the largest of ``dp_shard``."""
+    return -(-numel // dp_shard)
+
+
+def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard_after_forward: bool = True,
+                accumulating: bool = False, vocab_parallel: bool = True) -> tuple[dict[str, int], int]:
+    """FSDP2's :data:`FSDP_TERMS` in bytes, and its backward transient (the largest unit's reduce-scatter input).
+
+    Every unit is a TP shard gathered whole over the dp_shard ranks, so that none of these
+    depends on dp_shard (see the module's docstring)."""
+    units = fsdp_units(spec)
+
+    def local(unit_tensors: tuple[Tensor, ...]) -> int:
+        return sum(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in unit_tensors)
+
+    blocks = [local(u.tensors) for u in units if u.kind == "block"]
+    alive = len(blocks) if not reshard_after_forward else min(2, len(blocks))
+    kept = [u for u in units if u.kind in ("root", "head") or (u.kind == "embed" and not reshard_after_forward)]
+    sizes = [local(u.tensors) for u in units]
+    terms = {
+        "fsdp_gathered": alive * max(blocks, default=0) * prec.gathered,
+        "fsdp_kept": sum(local(u.tensors) for u in kept) * prec.gathered,
+        "fsdp_accum": sum(sizes) * prec.weights if accumulating else 0,
+    }
+    return terms, max(sizes) * (prec.gathered + prec.weights)
+
+
 def memory(
     spec: ModelSpec, plan: str, *, tp: int, pp: int, dp: int, zero: int, microbatches: int, schedule: str,
     checkpoint: str, batch: int, seq: int, precision: str = "fp32", stages_per_rank: int = 1,
     vocab_parallel: bool = True, pp_rank: int | None = None, accumulating: bool = False,
+    dp_shard: int = 1, reshard_after_forward: bool = True,
 ) -> Memory:
     """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences.
 
     The busiest pipeline rank's (the highest peak), or ``pp_rank``'s. ``accumulating``: ``batch``
     is one micro-step of gradient accumulation, whose backward adds to gradients already live.
+    ``dp_shard > 1``: FSDP2 over that many ranks in each of the ``dp`` replicas (no pipeline).
     """
+    if dp_shard > 1 and pp > 1:
+        raise ValueError("the memory model prices FSDP2 (dp_shard > 1) without pipeline stages (pp = 1)")
     prec = PRECISIONS[precision]
     stages = stage_blocks(spec, pp * stages_per_rank)
-    replica = batch // dp
+    replica = batch // (dp * dp_shard)
     m = microbatches if pp > 1 else 1
     tokens = replica // m * seq
     tensors = spec.tensors()
@@ -177,8 +238,10 @@ def memory(
         first, last = 0 in mine, len(stages) - 1 in mine
         held = [t for t in tensors if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
         numels = [local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in held]
+        if dp_shard > 1:
+            numels = [fsdp_shard(k, dp_shard) for k in numels]
         n = sum(numels)
-        opt = 2 * (zero_share(numels, dp) if zero and dp > 1 else n)
+        opt = 2 * (zero_share(numels, dp) if zero and dp > 1 and dp_shard == 1 else n)
         per_block = block_saved_elements(spec, plan, tp, checkpoint) * tokens * prec.activations
         per_block += RNG_STATE_BYTES if checkpoint != "none" else 0
         flight = in_flight(schedule, pp, m, rank, stages_per_rank)
@@ -201,10 +264,13 @@ def memory(
             "params": n * prec.weights,
             "grads": n * prec.weights,
             "optimizer": opt * prec.optimizer,
-            "dp_buckets": n * prec.weights if dp > 1 else 0,
+            "dp_buckets": n * prec.weights if dp > 1 and dp_shard == 1 else 0,
             "activations": int(activations),
             "head": int(head),
         }
+        fsdp, reduce_input = (dict.fromkeys(FSDP_TERMS, 0), 0) if dp_shard == 1 else fsdp_memory(
+            spec, plan, tp, prec, reshard_after_forward=reshard_after_forward, accumulating=accumulating,
+            vocab_parallel=vocab_parallel)
         # the backward recomputes one block at a time: its tensors that checkpointing did not keep
         recompute = 0.0
         if checkpoint != "none" and blocks:
@@ -212,13 +278,17 @@ def memory(
         # a pipeline accumulates every micro-batch's gradients into the stage's: they are live from the
         # first backward on, beside the micro-batches still in flight
         # (so do the micro-steps of gradient accumulation)
-        early_grads = terms["grads"] if pp > 1 or accumulating else 0
-        backward = terms["activations"] + terms["head"] + head_temp + recompute + early_grads
+        # (FSDP2 keeps the micro-steps' gradients unsharded instead: fsdp_accum)
+        early_grads = terms["grads"] if pp > 1 or (accumulating and dp_shard == 1) else 0
+        backward = (terms["activations"] + terms["head"] + head_temp + recompute + early_grads + reduce_input
+                    + sum(fsdp.values()))
         at_optimizer = terms["grads"] + update
         phase = "backward" if backward >= at_optimizer else "optimizer"
-        terms["temporary"] = int(head_temp + recompute if phase == "backward" else update)
+        terms["temporary"] = int(head_temp + recompute + reduce_input if phase == "backward" else update)
+        terms.update(fsdp)
         live = ("params", "optimizer", "dp_buckets", "temporary") + (
-            ("activations", "head") + (("grads",) if early_grads else ()) if phase == "backward" else ("grads",))
+            ("activations", "head") + (("grads",) if early_grads else ()) + (FSDP_TERMS if dp_shard > 1 else ())
+            if phase == "backward" else ("grads",))
         mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
                      {"tokens_per_microbatch": tokens, "pp_rank": rank, "loss_per_microbatch": loss_mb,
                       "saved_per_microbatch": saved_mb + stream_src + head_mb})

@@ -3,9 +3,13 @@
 :class:`ModelSpec` is built from a preset (``cola-60m``), a boost-train model config,
 or a Hugging Face ``config.json``, without building the model. It lists every
 parameter tensor with its shape (:meth:`ModelSpec.tensors`), so that the memory
-model can shard each one as a plan does (:func:`local_numel`) and cut the blocks
+model can shard each one as a plan does (:func:`local_numel`), cut the blocks
 into pipeline stages as boost-train does (:func:`stage_blocks`, the same split by
-parameter count).
+parameter count) and group them into FSDP2's units (:func:`fsdp_units`).
+
+Beside the reference presets, the planner knows BOOST.md's 13B shape
+(:data:`SHAPE_PRESETS`: ``cola-13b``, ``llama-13b``, ...), which boost-train runs as the
+family's 7b preset with its widths changed (:func:`preset_args`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from boost_compile.costmodel import scale_model
+from boost_compile.costmodel.formulas import PAPER_SHAPES
 
 #: projection kinds of the reference model (``LlamaConfig.projection``)
 LOW_RANK = ("cola", "lowrank", "lax")
@@ -136,10 +141,40 @@ def from_llama_config(name: str, config: Any) -> ModelSpec:
                      config.bias, config.tie_embeddings)
 
 
+def _shape_presets() -> dict[str, tuple[str, dict[str, int]]]:
+    """BOOST.md's shapes past the reference presets' 7b, per family: name -> (7b preset, its widths changed).
+
+    The low-rank families take BOOST's CoLA rank d / 4 in every projection."""
+    out = {}
+    for size, d, d_ff, layers, heads in PAPER_SHAPES:
+        if size != "13B":
+            continue
+        widths = {"dim": d, "n_layers": layers, "n_heads": heads, "n_kv_heads": heads, "ffn_dim": d_ff}
+        for family in ("cola", "lowrank", "lax", "llama"):
+            ranks = {} if family == "llama" else {"rank_attn": d // 4, "rank_mlp": d // 4}
+            out[f"{family}-{size.lower()}"] = (f"{family}-7b", {**widths, **ranks})
+    return out
+
+
+#: presets the planner knows beyond boost_compile.models' table (``cola-13b``, ...)
+SHAPE_PRESETS = _shape_presets()
+
+
+def preset_args(name: str) -> tuple[str, ...]:
+    """boost-train's model overrides for a preset of :data:`SHAPE_PRESETS` (or a reference one)."""
+    if name not in SHAPE_PRESETS:
+        return (f"model.preset={name}",)
+    base, widths = SHAPE_PRESETS[name]
+    return (f"model.preset={base}", *(f"+model.overrides.{k}={v}" for k, v in widths.items()))
+
+
 def from_preset(name: str, **overrides: Any) -> ModelSpec:
-    """A reference preset (``cola-60m``, ``llama-1b``, ...), with LlamaConfig overrides."""
+    """A reference preset (``cola-60m``, ``llama-1b``, ...) or one of :data:`SHAPE_PRESETS`, with LlamaConfig overrides."""
     from boost_compile.models import LlamaConfig
 
+    if name in SHAPE_PRESETS:
+        base, widths = SHAPE_PRESETS[name]
+        return from_llama_config(name, LlamaConfig.preset(base, **{**widths, **overrides}))
     return from_llama_config(name, LlamaConfig.preset(name, **overrides))
 
 
@@ -233,3 +268,30 @@ def stage_blocks(spec: ModelSpec, stages: int) -> list[range]:
     mean = sum(per_block) / len(per_block)
     costs = [embed / mean, *(b / mean for b in per_block), head / mean]
     return stage_layers(spec.n_layers, stages, costs=costs)
+
+
+@dataclass(frozen=True)
+class FsdpUnit:
+    """One FSDP2 unit of boost-train (``train/fsdp.py``): what ``fully_shard`` gathers and reduces at once."""
+
+    #: "embed", "block", "head" (the final norm with the head) or "root" (what no unit takes)
+    kind: str
+    tensors: tuple[Tensor, ...]
+
+
+def fsdp_units(spec: ModelSpec) -> list[FsdpUnit]:
+    """boost-train's FSDP2 units in forward order: the embedding, each block, the final norm with the
+    head, then the root (empty unless the head is tied: a tied embedding and the final norm stay there)."""
+    outside = [t for t in spec.tensors() if t.block < 0]
+    units = []
+    if not spec.tie_embeddings:
+        units.append(FsdpUnit("embed", tuple(t for t in outside if t.role == "embed")))
+    blocks: dict[int, list[Tensor]] = {}
+    for t in spec.tensors():
+        if t.block >= 0:
+            blocks.setdefault(t.block, []).append(t)
+    units += [FsdpUnit("block", tuple(blocks[b])) for b in sorted(blocks)]
+    if not spec.tie_embeddings:
+        units.append(FsdpUnit("head", tuple(t for t in outside if t.role != "embed")))
+    root = tuple(t for t in outside if spec.tie_embeddings)
+    return units + ([FsdpUnit("root", root)] if root else [])

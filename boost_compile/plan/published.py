@@ -5,7 +5,8 @@ BOOST.md trains CoLA 1B on 1, 3B on 2, 7B on 4 and 13B on 8 A100-80GB (batch 4 x
 :func:`published_choices` prices the published layout (btp, no checkpointing, no
 ZeRO, one micro-batch through the pipeline, as the scale model reproduces the
 published times) and asks the planner for its own choice on the same devices;
-:func:`cluster_choice` asks it for cola-7b on 64 H200 (8 per node).
+:func:`cluster_choice` asks it for cola-7b on 64 H200 (8 per node). Its choices may be FSDP2
+or HSDP layouts (``parallel.dp_shard``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ def why(choice: Choice) -> str:
         return "the published layout"
     a, b = choice.published_row, choice.chosen
     parts = []
-    if b.layout.dp > 1:
+    if b.layout.dp_shard > 1:
+        parts.append(f"{'HSDP' if b.layout.dp > 1 else 'FSDP2'} over {b.layout.data_ranks} ranks replaces TP/PP collectives "
+                     "per layer with a gather and a reduce-scatter per block behind its compute, and steps "
+                     f"1/{b.layout.dp_shard} of the optimizer")
+    elif b.layout.dp > 1:
         parts.append(f"dp{b.layout.dp} replaces TP/PP collectives per layer with one gradient all-reduce per step")
     if b.layout.pp > 1 and b.layout.microbatches > 1:
         parts.append(f"{b.layout.microbatches} micro-batches shrink the pipeline bubble")

@@ -1,8 +1,9 @@
-"""The layout search: every (tp, pp, dp, zero, micro-batches, schedule, checkpoint, plan) a job can run, ranked.
+"""The layout search: every (tp, pp, dp, dp_shard, zero, micro-batches, schedule, checkpoint, plan) a job can run, ranked.
 
 :func:`search` enumerates the layouts boost-train accepts for a model on ``devices``
 (tp within a node and dividing heads, kv-heads, d and d_ff; pp dividing the rest
-and at most the blocks; dp the remainder, dividing the batch), prices each with
+and at most the blocks; dp the remainder, dividing the batch; or, without a pipeline,
+FSDP2 and HSDP: the remainder cut into dp replicas of dp_shard ranks), prices each with
 the time model (:mod:`boost_compile.plan.timing`) and the memory model
 (:mod:`boost_compile.plan.memory`), drops what does not fit and sorts the rest,
 fastest first (then the least memory). :func:`refusal` says why nothing fits and
@@ -43,22 +44,39 @@ class Layout:
     plan: str = "btp"
     stages_per_rank: int = 1
     #: ``trainer.local_batch``: sequences per forward and backward on a rank (None: the rank's
-    #: whole share of the batch; fewer: gradient accumulation over ``batch / (dp * local_batch)``)
+    #: whole share of the batch; fewer: gradient accumulation over ``batch / (dp * dp_shard * local_batch)``)
     local_batch: int | None = None
+    #: FSDP2's ranks in each replica (``parallel.dp_shard``; dp > 1 with it: HSDP); 1: DDP
+    dp_shard: int = 1
+    #: ``parallel.reshard_after_forward`` (FSDP2): free a block's gathered weights after its forward
+    reshard_after_forward: bool = True
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different data: ``dp * dp_shard``."""
+        return self.dp * self.dp_shard
 
     def label(self) -> str:
         pipe = f" pp{self.pp} {self.schedule} m{self.microbatches}" + (f" v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+        if self.dp_shard == 1:
+            data = f" dp{self.dp}"
+        else:
+            data = (f" fsdp{self.dp_shard}" if self.dp == 1 else f" hsdp{self.dp}x{self.dp_shard}") + (
+                "" if self.reshard_after_forward else " noreshard")
         return (f"tp{self.tp}" + (f" {self.plan}" if self.tp > 1 else "") + (pipe if self.pp > 1 else "")
-                + f" dp{self.dp}" + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}"
+                + data + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}"
                 + (f" local{self.local_batch}" if self.local_batch is not None else ""))
 
     def micro_steps(self, batch: int) -> int:
         """Forward-and-backward passes per optimizer step for a global ``batch`` (1: no accumulation)."""
-        return 1 if self.local_batch is None else batch // self.dp // self.local_batch
+        return 1 if self.local_batch is None else batch // self.data_ranks // self.local_batch
 
     def overrides(self) -> list[str]:
         """boost-train's overrides for this layout."""
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}", f"parallel.zero={self.zero}"]
+        if self.dp_shard > 1:
+            out.append(f"parallel.dp_shard={self.dp_shard}")
+            out.append(f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}")
         if self.tp > 1:
             out.append(f"parallel.plan={self.plan}")
         if self.pp > 1:
@@ -104,12 +122,15 @@ class Row:
     overlap_s: float = 0.0
     #: one rank's cold compile before the first step (None: not measured for the hardware)
     compile_s: float | None = None
+    #: FSDP2's exposed all-gathers, reduce-scatters and copies (plan.timing)
+    fsdp_s: float = 0.0
 
     def as_json(self) -> dict:
         """The ``--json`` row: the layout's keys, ``step_s``, ``memory_gib``, ``fits``, ``command`` and the terms."""
         return {**asdict(self.layout), "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
                 "memory_gib": self.memory_gib, "fits": self.fits, "command": self.command,
-                "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s}
+                "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s,
+                "fsdp_s": self.fsdp_s}
 
 
 #: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
@@ -138,8 +159,9 @@ def tp_degrees(spec: ModelSpec, devices: int, per_node: int) -> list[int]:
     return [t for t in divisors(min(devices, per_node)) if devices % t == 0 and all(w % t == 0 for w in widths)]
 
 
-def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS) -> Iterator[Layout]:
-    """Every layout of ``job`` that boost-train's validation accepts."""
+def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
+            fsdp: bool = True) -> Iterator[Layout]:
+    """Every layout of ``job`` that boost-train's validation accepts; ``fsdp``: FSDP2 and HSDP ones too."""
     spec = job.spec
     plans = plans or PLANS[spec.kind]
     for tp in tp_degrees(spec, job.devices, job.per_node):
@@ -156,6 +178,25 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
                 for zero in (0, 1) if dp > 1 else (0,):
                     for ck in checkpoints:
                         yield from _pipelines(Layout(tp, pp, dp, zero, 1, "1f1b", ck, plan), replica, spec.n_layers)
+        if fsdp:
+            yield from _sharded(job, tp, plans, checkpoints)
+
+
+def _sharded(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
+    """FSDP2 (dp = 1) and HSDP layouts of ``tp``: every dp x dp_shard = devices / tp with dp_shard > 1.
+
+    Without pipeline stages, ZeRO (FSDP2 shards the optimizer state itself) and vanilla's
+    DTensor parameters, as boost-train's ``check_fsdp`` requires; under TP, FSDP2 cuts each
+    rank's TP shard."""
+    data = job.devices // tp
+    if job.batch % data:
+        return
+    for dp_shard in divisors(data)[1:]:
+        for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:
+            for reshard in (True, False):
+                for ck in checkpoints:
+                    yield Layout(tp, 1, data // dp_shard, 0, 1, "1f1b", ck, plan, dp_shard=dp_shard,
+                                 reshard_after_forward=reshard)
 
 
 def _pipelines(base: Layout, replica: int, n_layers: int) -> Iterator[Layout]:
@@ -176,10 +217,10 @@ def price(job: Job, layout: Layout) -> Row:
     """Time and memory of one layout.
 
     With gradient accumulation (``layout.local_batch``) memory is that of one micro-step's batch
-    (the gradients live through the backward, as under a pipeline), and the step is that many
-    micro-steps of that batch less, for all but one of them, what a step does once: the optimizer,
-    the exposed data-parallel reduction and ZeRO-1's gather. A pipeline's fill and drain come
-    with every micro-step (each runs the whole schedule)."""
+    (the gradients live through the backward, as under a pipeline; FSDP2's unsharded), and the
+    step is that many micro-steps of that batch less, for all but one of them, what a step does
+    once: the optimizer, the exposed data-parallel reduction, ZeRO-1's gather and FSDP2's
+    reduce-scatters. A pipeline's fill and drain come with every micro-step (each runs the whole schedule)."""
     spec, prec = job.spec, PRECISIONS[job.precision]
     shape = spec.scale_shape()
     lo = layout
@@ -188,16 +229,18 @@ def price(job: Job, layout: Layout) -> Row:
     wl = sm.Workload(seq=job.seq, batch=batch, dtype_bytes=prec.activations)
     t = step_time(shape, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, microbatches=lo.microbatches, schedule=lo.schedule,
                   stages_per_rank=lo.stages_per_rank, checkpoint=lo.checkpoint, zero=lo.zero, hw=job.hardware, wl=wl,
-                  param_bytes=prec.weights, dp_across_nodes=lo.tp * lo.dp > job.per_node,
-                  p2p_across_nodes=job.devices > job.per_node, tensors=-(-len(spec.tensors()) // lo.pp))
+                  param_bytes=prec.weights, dp_across_nodes=lo.tp * lo.data_ranks > job.per_node,
+                  p2p_across_nodes=job.devices > job.per_node, tensors=-(-len(spec.tensors()) // lo.pp),
+                  dp_shard=lo.dp_shard, reshard_after_forward=lo.reshard_after_forward,
+                  shard_across_nodes=lo.tp * lo.dp_shard > job.per_node)
     mem = memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
                  schedule=lo.schedule, checkpoint=lo.checkpoint, batch=batch, seq=job.seq, precision=job.precision,
-                 stages_per_rank=lo.stages_per_rank, accumulating=a > 1)
-    once_s = t.prediction.optimizer_s + t.prediction.dp_s + t.overlap_s + t.zero_s
-    step_s = a * t.step_s - (a - 1) * once_s
+                 stages_per_rank=lo.stages_per_rank, accumulating=a > 1, dp_shard=lo.dp_shard,
+                 reshard_after_forward=lo.reshard_after_forward)
+    step_s = a * t.step_s - (a - 1) * t.once_s
     return Row(lo, step_s, job.batch * job.seq / step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
                mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
-               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware))
+               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware), fsdp_s=t.fsdp_s)
 
 
 def command(job: Job, layout: Layout) -> str:
@@ -214,7 +257,7 @@ def command(job: Job, layout: Layout) -> str:
 
 def local_batches(job: Job, layout: Layout) -> list[int]:
     """The ``trainer.local_batch`` values below a rank's share that boost-train accepts, largest first."""
-    replica = job.batch // layout.dp
+    replica = job.batch // layout.data_ranks
     m = layout.microbatches if layout.pp > 1 else 1
     return [b for b in reversed(divisors(replica)[:-1]) if b % m == 0]
 
@@ -224,7 +267,7 @@ def accumulate_to_fit(job: Job, layout: Layout, local_batch: int | None = None) 
     largest local batch), else as it is. ``local_batch``: the user's, priced as given (a layout
     whose share it does not divide gets the whole share, and a row that says it does not fit)."""
     if local_batch is not None:
-        share = job.batch // layout.dp
+        share = job.batch // layout.data_ranks
         accepted = local_batch in local_batches(job, layout) or (local_batch == share and share % layout.microbatches == 0)
         return price(job, replace(layout, local_batch=local_batch)) if accepted else replace(price(job, layout), fits=False)
     row = price(job, layout)
@@ -238,12 +281,14 @@ def accumulate_to_fit(job: Job, layout: Layout, local_batch: int | None = None) 
 
 
 def search(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
-           progress: Callable[[int, int], None] | None = None, local_batch: int | None = None) -> list[Row]:
+           progress: Callable[[int, int], None] | None = None, local_batch: int | None = None,
+           fsdp: bool = True) -> list[Row]:
     """Every layout of ``job`` priced, best first: those that fit by step time (then memory), then the rest.
 
     A layout whose memory binds is priced with gradient accumulation when that makes it fit
-    (:func:`accumulate_to_fit`); ``local_batch`` fixes it instead (the user's ``trainer.local_batch``)."""
-    candidates = list(layouts(job, plans=plans, checkpoints=checkpoints))
+    (:func:`accumulate_to_fit`); ``local_batch`` fixes it instead (the user's ``trainer.local_batch``).
+    ``fsdp``: FSDP2 and HSDP layouts beside DDP, ZeRO-1 and the pipelines."""
+    candidates = list(layouts(job, plans=plans, checkpoints=checkpoints, fsdp=fsdp))
     rows = []
     for i, lo in enumerate(candidates):
         rows.append(accumulate_to_fit(job, lo, local_batch))

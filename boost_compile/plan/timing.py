@@ -40,6 +40,32 @@ mode, ZeRO and a schedule; this module adds what each costs:
 - **schedule**: GPipe and 1F1B have the same bubble (the scale model's
   ``sum + (m - 1) max``); interleaved 1F1B and zero-bubble with ``v`` stages per
   rank shrink the warm-up and drain to 1/v of a stage's time, for v times the sends.
+- **FSDP2** (``dp_shard = n > 1``, HSDP with ``dp > 1``; ``fsdp_s``): the scale model's step
+  for ``dp * n`` data-parallel ranks, less its DDP all-reduce (``dp_s``) and ``1 - 1/n`` of
+  its optimizer (each rank steps its slice), plus FSDP2's collectives per unit
+  (:func:`fsdp_unit_params`: the embedding, each block, the final norm with the head, as
+  the scale model counts a TP rank's parameters P_u). With G_u = P_u e (the gathered
+  dtype: the activations') and R_u = P_u w (the reduce dtype: the weights'), over the
+  shard group's ring (at ``internode_bus_bandwidth`` when tp n ranks span nodes)::
+
+      all-gather     ag_u = alpha + (n - 1)/n G_u / busbw
+      reduce-scatter rs_u = alpha + (n - 1)/n R_u / busbw  [+ HSDP: all-reduce of R_u / n over dp]
+
+  The forward gathers every unit; the backward gathers again each unit resharded after
+  its forward (the blocks and the embedding under ``reshard_after_forward``; never the
+  head, which boost-train keeps) and reduce-scatters every unit. Each gather is issued
+  as the unit before it starts computing (forward prefetch; in the backward, the unit
+  after it), and each reduce-scatter as its unit's backward ends, so that while unit k
+  computes (c_k: a third of its compute in the forward, two thirds plus its recompute in
+  the backward) the network carries q_k = ag_(k+1) + rs_(k-1). Exposed::
+
+      fsdp_s = ag_first + sum_k (q_k - dp_overlap min(q_k, c_k)) + rs_last + copies
+
+  (forward and backward, in their orders), ``dp_overlap`` being the hardware file's share
+  of a collective that runs beside compute. ``copies``: FSDP2's copy-out of each gather (2
+  passes over G_u) and the reduce-scatter's copy-in (G_u read, R_u written), at the
+  elementwise rate, exposed. Under gradient accumulation the micro-steps before the last
+  gather but do not reduce: the reduce-scatters' share and the optimizer are paid once.
 """
 
 from __future__ import annotations
@@ -74,6 +100,10 @@ class StepTime:
     internode_s: float  # a data-parallel all-reduce or pipeline sends across nodes: their extra time
     prediction: sm.Prediction
     overlap_s: float = 0.0  # the data-parallel all-reduce hidden behind the backward (<= 0)
+    fsdp_s: float = 0.0  # FSDP2's exposed all-gathers, reduce-scatters and their copies
+    #: what a step does once however many micro-steps it accumulates: the optimizer, the exposed
+    #: data-parallel reduction (DDP's all-reduce, ZeRO-1's gather, FSDP2's reduce-scatters)
+    once_s: float = 0.0
 
 
 def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, mode: str, hw: Hardware,
@@ -94,8 +124,18 @@ def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, m
 def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbatches: int, schedule: str,
               stages_per_rank: int, checkpoint: str, zero: int, hw: Hardware, wl: sm.Workload,
               param_bytes: int, head: str = sm.DEFAULT_HEAD, dp_across_nodes: bool = False,
-              p2p_across_nodes: bool = False, tensors: int = 1) -> StepTime:
-    """The step of one layout: :func:`scale_model.predict` and the terms above."""
+              p2p_across_nodes: bool = False, tensors: int = 1, dp_shard: int = 1,
+              reshard_after_forward: bool = True, shard_across_nodes: bool = False) -> StepTime:
+    """The step of one layout: :func:`scale_model.predict` and the terms above.
+
+    ``dp_shard > 1``: FSDP2 (``pp = 1``); ``dp_across_nodes`` then says whether HSDP's replica
+    all-reduce, and ``shard_across_nodes`` whether the shard group's ring, crosses nodes."""
+    if dp_shard > 1:
+        if pp > 1:
+            raise ValueError("the time model prices FSDP2 (dp_shard > 1) without pipeline stages (pp = 1)")
+        return fsdp_step_time(shape, plan, tp=tp, dp=dp, dp_shard=dp_shard, checkpoint=checkpoint, hw=hw, wl=wl,
+                              param_bytes=param_bytes, head=head, reshard_after_forward=reshard_after_forward,
+                              shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes)
     system = SYSTEMS[plan]
     m = microbatches if pp > 1 else 1
     pred = sm.predict(shape, system, tp, pp, hw, replace(wl, micro_batches=m), head=head, dp=dp)
@@ -133,7 +173,67 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     # (one of the m + pp - 1 stage slots on its critical path)
     overlap_s = dp_overlap(pred, layers, recompute_s, dp_internode_s, hw, m + pp - 1 if pp > 1 else 1) if dp > 1 else 0.0
     total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s + overlap_s
-    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s)
+    once_s = pred.optimizer_s + pred.dp_s + overlap_s + zero_s
+    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s, once_s=once_s)
+
+
+def fsdp_unit_params(system: str, shape: sm.Shape, tp: int, head: str = sm.DEFAULT_HEAD) -> tuple[float, float, float]:
+    """Parameters one TP rank holds in each kind of FSDP2 unit, as the scale model counts them
+    (:func:`scale_model.stage_params`): the embedding, one block, the final norm with the head."""
+    vocab_local = shape.vocab if head == "replicated" else -(-shape.vocab // tp)
+    embed = shape.vocab * -(-shape.d // tp) if system == "btp" else vocab_local * shape.d
+    return embed, sm.layer_params(system, shape, tp), vocab_local * shape.d + shape.d
+
+
+def exposed(comm: list[float], compute: list[float], share: float) -> float:
+    """Seconds of ``comm[k]`` not hidden behind ``compute[k]``: ``share`` of the shorter of the two is."""
+    return sum(c - share * min(c, w) for c, w in zip(comm, compute, strict=True))
+
+
+def fsdp_pass(gathers: list[float], reduces: list[float], compute: list[float], share: float) -> float:
+    """Exposed seconds of one pass (forward or backward) over units in their order: unit k's
+    ``gathers[k]`` runs while unit k - 1 computes, ``reduces[k]`` while unit k + 1 does; the
+    first gather and the last reduce have nothing to hide behind."""
+    nxt = gathers[1:] + [0.0]
+    prev = [0.0] + reduces[:-1]
+    return gathers[0] + exposed([g + r for g, r in zip(nxt, prev, strict=True)], compute, share) + reduces[-1]
+
+
+def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: int, checkpoint: str, hw: Hardware,
+                   wl: sm.Workload, param_bytes: int, head: str = sm.DEFAULT_HEAD, reshard_after_forward: bool = True,
+                   shard_across_nodes: bool = False, replica_across_nodes: bool = False) -> StepTime:
+    """The step of an FSDP2 or HSDP layout without pipeline stages (see the module's docstring)."""
+    system, n = SYSTEMS[plan], dp_shard
+    pred = sm.predict(shape, system, tp, 1, hw, replace(wl, micro_batches=1), head=head, dp=dp * n)
+    mb, layers = wl.batch // (dp * n), shape.layers
+    per_layer_recompute = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl)
+    layer = sm.layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
+    top = sm.head_cost(system, shape, mb * wl.seq, tp, hw, wl, head)
+    layer_c, head_c = layer.gemm_s + layer.attention_s + layer.elementwise_s, top.gemm_s + top.elementwise_s
+    shard_hw = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) \
+        if shard_across_nodes and hw.internode_bus_bandwidth else hw
+    replica_hw = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) \
+        if replica_across_nodes and hw.internode_bus_bandwidth else hw
+    e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
+    order = [e_p] + [b_p] * layers + [h_p]  # the forward's units
+    ag = [sm.allgather_time(1, p * wl.dtype_bytes, n, shard_hw) for p in order]
+    rs = [sm.allgather_time(1, p * param_bytes, n, shard_hw) + sm.allreduce_time(1, p * param_bytes / n, dp, replica_hw)
+          for p in order]
+    forward = fsdp_pass(ag, [0.0] * len(order), [0.0] + [layer_c / 3] * layers + [head_c / 3], hw.dp_overlap)
+    resharded = [reshard_after_forward] * (layers + 1) + [False]  # the embedding and the blocks; the head is kept
+    regather = [g if r else 0.0 for g, r in zip(ag, resharded, strict=True)]
+    back_compute = [0.0] + [2 / 3 * layer_c + per_layer_recompute] * layers + [2 / 3 * head_c]
+    backward = fsdp_pass(regather[::-1], rs[::-1], back_compute[::-1], hw.dp_overlap)
+    keep = fsdp_pass(regather[::-1], [0.0] * len(order), back_compute[::-1], hw.dp_overlap)  # no reduce
+    gathered = sum(order) + sum(p for p, r in zip(order, resharded, strict=True) if r)
+    copy_gather = sm.elementwise_time(2 * wl.dtype_bytes * gathered, hw)
+    copy_reduce = sm.elementwise_time((wl.dtype_bytes + param_bytes) * sum(order), hw)
+    fsdp_s = forward + backward + copy_gather + copy_reduce
+    optimizer_s = pred.optimizer_s / n
+    recompute_s = per_layer_recompute * layers
+    total = pred.iteration_s - pred.dp_s - pred.optimizer_s + optimizer_s + recompute_s + fsdp_s
+    once_s = optimizer_s + backward - keep + copy_reduce
+    return StepTime(total, pred.iteration_s, recompute_s, 0.0, 0.0, 0.0, pred, 0.0, fsdp_s, once_s)
 
 
 def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s: float, hw: Hardware,

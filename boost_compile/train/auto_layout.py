@@ -4,8 +4,9 @@
 launcher started (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` per node), the model and the
 global batch of the config, the hardware file (``parallel.hardware``) and the memory
 per device, logs the best rows and the choice, and returns the config with the
-chosen ``parallel.*`` fields and ``passes.options.checkpoint``. boost-train then
-validates it like any other.
+chosen ``parallel.*`` fields (``dp_shard`` and ``reshard_after_forward`` for FSDP2, whose
+layouts it leaves out where boost-train would refuse them: :func:`fsdp_allowed`) and
+``passes.options.checkpoint``. boost-train then validates it like any other.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def model_spec(tc: TrainConfig) -> ModelSpec:
     return spec
 
 
+def fsdp_allowed(tc: TrainConfig) -> bool:
+    """Whether boost-train runs FSDP2 with the rest of ``tc``: blocks compiled one by one, no memory report."""
+    return not tc.trainer.memory_report and (tc.passes.backend == "none" or tc.passes.unit == "block")
+
+
 def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | None = None,
                   device_type: str | None = None) -> tuple[TrainConfig, list[Row]]:
     """``tc`` with the planner's layout for ``world`` processes (default: the launcher's)."""
@@ -106,7 +112,7 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     boost = tc.passes.backend == "boost"
     asked = tc.passes.options.get("checkpoint") if boost else None
     checkpoints = (asked,) if asked in CHECKPOINTS else (CHECKPOINTS if boost else ("none",))
-    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch)
+    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch, fsdp=fsdp_allowed(tc))
     if not boost:  # btp and megatron insert their collectives in the boost backend
         rows = [r for r in rows if r.layout.tp == 1]
     try:
@@ -117,6 +123,7 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     log.info("parallel=auto: chose %s (predicted step %.3f s)", choice.label(), next(r.step_s for r in rows if r.layout == choice))
     parallel = dataclasses.replace(
         par, layout="manual", tp=choice.tp, pp=choice.pp, dp=choice.dp, zero=choice.zero, plan=choice.plan if choice.tp > 1 else par.plan,
+        dp_shard=choice.dp_shard, reshard_after_forward=choice.reshard_after_forward,
         microbatches=choice.microbatches if choice.pp > 1 else None, pp_schedule=choice.schedule,
         stages_per_rank=choice.stages_per_rank, layers_per_stage=None,
     )
