@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> Result:
     spec = from_preset(args.preset, vocab_size=256)  # byte tokens: boost-train pads the vocabulary to 256
     hw = load_hardware("cpu")
     jobs = {n: Job(spec, args.batch, args.seq, n, n, hw, hw.memory_gib * GIB, "fp32", (f"model={args.preset}",)) for n in (1, 2)}
-    first = best(search(jobs[2]), jobs[2]).layout
+    # FSDP2 layouts are left out: each job's memory report (trainer.memory_report) compiles the whole model,
+    # which FSDP2's per-block sharding refuses, so their terms cannot be measured here yet
+    first = best(search(jobs[2], fsdp=False), jobs[2]).layout
     layouts = list(LAYOUTS) + ([first] if first not in LAYOUTS else [])
     runs = Path(args.runs or tempfile.mkdtemp(prefix="boost-plan-"))
     overrides = [f"model={args.preset}", f"trainer.batch={args.batch}", f"trainer.seq={args.seq}"]
@@ -142,10 +144,10 @@ def run(args: argparse.Namespace) -> Result:
     best_measured = min(r["measured"]["step_s"] for r in two) if two else float("nan")
     chosen = next((r for r in two if r["layout"] == asdict(first)), None)
     # a cap under the fastest two-process layout's predicted peak: the planner must move
-    fastest = best(search(jobs[2]), jobs[2])
+    fastest = best(search(jobs[2], fsdp=False), jobs[2])
     cap_gib = fastest.memory_gib * 0.8
     capped_job = Job(spec, args.batch, args.seq, 2, 2, hw, cap_gib * GIB, "fp32")
-    capped = best(search(capped_job), capped_job).layout
+    capped = best(search(capped_job, fsdp=False), capped_job).layout
     if not any(r["layout"] == asdict(capped) for r in ok):
         extra = plan_measure.measure([_as_measure(capped)], out_dir=runs, model_overrides=overrides, steps=args.steps,
                                     warmup=args.warmup)[0]
