@@ -33,7 +33,7 @@ from boost_compile import _torch_compat as compat
 from boost_compile import trace
 from boost_compile.analysis import GraphView
 from boost_compile.config import BoostConfig
-from boost_compile.verify import Verifier, VerifyError, code_of, snapshot
+from boost_compile.verify import Snapshot, Verifier, VerifyError, code_of, snapshot
 
 log = logging.getLogger("boost_compile")
 
@@ -268,7 +268,7 @@ class _Applied:
 
     p: GraphPass
     report: PassReport
-    before: Any  # verify.Snapshot
+    before: Snapshot
 
 
 def _run_pass(p: GraphPass, ctx: PassContext) -> PassReport:

@@ -87,7 +87,7 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16-mixed" else MixedPrecisionPolicy()
     units = fsdp_units(model)
-    specs = tp_specs(model)
+    specs = tp_specs_by_name(model)
     head = units[-1] if units and units[-1][-1] == find_head(model, find_blocks(model)) else None
     for unit in units:
         modules = [model.get_submodule(n) for n in unit]
@@ -115,7 +115,7 @@ def prefetch(model: nn.Module, units: list[list[str]]) -> None:
         after.set_modules_to_backward_prefetch([here])
 
 
-def tp_specs(model: nn.Module) -> dict[str, Any]:
+def tp_specs_by_name(model: nn.Module) -> dict[str, Any]:
     """Each TP-sharded parameter's ``ShardSpec`` (``parallelize_``'s ``_boost_tp``), by name."""
     return {n: p._boost_tp for n, p in model.named_parameters(remove_duplicate=False)
             if getattr(p, "_boost_tp", None) is not None}

@@ -560,7 +560,8 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
         mesh = f"dp={par.dp}{shard} x tp={par.tp}" if par.pp == 1 else f"pp={par.pp} x dp={par.dp} x tp={par.tp}"
         flags = (f"parallel.dp={par.dp} parallel.tp={par.tp}" + (f" parallel.pp={par.pp}" if par.pp > 1 else "")
                  + (f" parallel.dp_shard={par.dp_shard}" if par.dp_shard > 1 else ""))
-        product = ("dp * tp" if par.pp == 1 else "pp * dp * tp").replace("dp", "dp * dp_shard" if par.dp_shard > 1 else "dp")
+        data = "dp * dp_shard" if par.dp_shard > 1 else "dp"
+        product = f"{data} * tp" if par.pp == 1 else f"pp * {data} * tp"
         if started == 1:
             raise ConfigError(
                 f"parallel {mesh} needs {world} processes, but this is a single process; "
