@@ -122,11 +122,13 @@ class Dist:
 def build_mesh(device: torch.device, dp: int, tp: int, pp: int = 1, dp_shard: int = 1) -> Any:
     """The DeviceMesh over every process: ``dp`` replicas of ``tp`` consecutive ranks,
     and with ``pp > 1`` ``pp`` such blocks of ``dp * tp`` ranks (dims ``("pp", "dp", "tp")``).
-    With ``dp_shard > 1`` (FSDP2) the dims are ``("dp_replicate", "dp_shard", "tp")`` (``Dist``
-    keeps the first two flattened as its ``dp``)."""
+    With ``dp_shard > 1`` (FSDP2) the dims are ``("dp_replicate", "dp_shard", "tp")``, after ``"pp"``
+    with pipeline stages (``Dist`` keeps ``dp_replicate`` and ``dp_shard`` flattened as its ``dp``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if dp_shard > 1:
+        if pp > 1:
+            return init_device_mesh(device.type, (pp, dp, dp_shard, tp), mesh_dim_names=("pp", *MESH_DIMS_FSDP))
         return init_device_mesh(device.type, (dp, dp_shard, tp), mesh_dim_names=MESH_DIMS_FSDP)
     if pp == 1:
         return init_device_mesh(device.type, (dp, tp), mesh_dim_names=MESH_DIMS)
@@ -366,8 +368,12 @@ def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist,
     from boost_compile.train.fsdp import shard_model
 
     compiled = compile_model(model, tc)
-    mesh = dev.mesh["dp_shard"] if tc.parallel.dp == 1 else dev.mesh["dp_replicate", "dp_shard"]
-    shard_model(compiled, mesh, tc.trainer.precision, tc.parallel.reshard_after_forward)
+    shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshard_after_forward)
     if bind is not None:
         bind(model)
     return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)
+
+
+def fsdp_mesh(dev: Dist) -> Any:
+    """The mesh FSDP2 shards over: ``dp_shard`` (1-D), or ``(dp_replicate, dp_shard)`` for HSDP."""
+    return dev.mesh["dp_shard"] if dev.dp == dev.dp_shard else dev.mesh["dp_replicate", "dp_shard"]

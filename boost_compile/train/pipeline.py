@@ -15,6 +15,13 @@ compiles the model. A training step is ``pipeline_step`` on the schedule, then:
   cannot wrap the stages here: ``build_schedule`` takes the modules ``split_model``
   made (optionally compiled), and PyTorch's ``PipelineStage`` would need the DDP
   module itself to drive its reducer micro-batch by micro-batch;
+* FSDP2 (``parallel.dp_shard > 1``): each stage's blocks are compiled, then sharded over the
+  data-parallel ranks of its pipeline rank like the whole model without pp (``train/fsdp.py``),
+  the stage the root unit. PyTorch's ``PipelineStage`` drives an ``FSDPModule`` itself: each
+  micro-batch's backward keeps its gradients unreduced, and after the last the stage's units are
+  reduce-scattered (and, HSDP, all-reduced over the replicas) at once, averaged over the data
+  ranks; the schedule then divides by the micro-batches. With ``trainer.local_batch`` that is
+  once per slice of the batch, the shards adding up. ``zero_bubble`` is refused (validate.py);
 * gradient clipping (:func:`~boost_compile.train.step.clip_grad_norm`): TP
   shards' squared norms are summed over tp, then every stage's over pp, so
   every rank clips with the whole model's norm;
@@ -52,7 +59,7 @@ from boost_compile.backend import Recorder
 from boost_compile.config import ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model
-from boost_compile.train.parallel import Dist, cast_weights, compile_model
+from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.validate import ModelShape
 
@@ -189,6 +196,20 @@ def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc:
         log.info("stage %d: %s", i, report)
 
 
+def _shard_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: TrainConfig, dev: Dist) -> None:
+    """FSDP2 over each compiled stage (``parallel.dp_shard > 1``): its blocks, embedding and head as
+    units, the stage the root (:func:`~boost_compile.train.fsdp.shard_model`), so that ``PipelineStage``
+    sees an ``FSDPModule``: it then runs every micro-batch's backward without reducing and
+    reduce-scatters the stage's gradients once, after the last (``perform_reduce_grad``)."""
+    from boost_compile.train.fsdp import shard_model
+
+    for i, stage in zip(indices, stages, strict=True):
+        if not isinstance(stage, nn.Module) or hasattr(stage, "_orig_mod"):
+            raise ConfigError(f"parallel.dp_shard > 1 with pp: stage {i} was compiled whole; FSDP2 shards stages whose "
+                              "blocks are compiled one by one (passes.unit=block)")
+        shard_model(stage, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshard_after_forward)
+
+
 def stage_recompile_limit(tc: TrainConfig) -> contextlib.AbstractContextManager[None]:
     """Dynamo's recompile limit raised for this rank's stages while inside (the run), then put back.
 
@@ -238,10 +259,16 @@ def build_pipeline_parts(
         _parallelize_stages(stages, indices, tc, dev, micro_batch)
     for stage in stages:
         cast_weights(stage, tr.precision)
-    holder = StageParameters(stages, prefix)
-    if before_compile is not None:
-        before_compile(holder)
+    if dev.dp_shard == 1:
+        holder = StageParameters(stages, prefix)
+        if before_compile is not None:
+            before_compile(holder)
     compiled = [compile_model(stage, tc, dynamic=False, recorder=recorder) for stage in stages]
+    if dev.dp_shard > 1:  # FSDP2: each stage's blocks sharded after they are compiled; the optimizer binds the shards
+        _shard_stages(compiled, indices, tc, dev)
+        holder = StageParameters(stages, prefix)
+        if before_compile is not None:
+            before_compile(holder)
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     loss = loss_fn
     if dev.tp > 1 and num_stages - 1 in indices:
@@ -249,7 +276,7 @@ def build_pipeline_parts(
     try:
         schedule = build_schedule(compiled, indices, num_stages, dev.group("pp"), n_mb, par.pp_schedule, loss,
                                   example, batch_size=local_batch, device=dev.device,
-                                  scale_grads=tr.micro_steps(dev.dp) == 1 and dev.dp == 1)
+                                  scale_grads=tr.micro_steps(dev.dp) == 1 and (dev.dp == 1 or dev.dp_shard > 1))
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp_schedule={par.pp_schedule}: {exc}") from exc
     for i, stage in zip(indices, stages, strict=True):
@@ -278,18 +305,19 @@ def make_pipeline_step(
 
     With ``micro_steps > 1`` (``trainer.local_batch``) the batch runs through the schedule as
     that many slices; the schedule was built without ``scale_grads``, so the gradients add up
-    over every slice's micro-batches and are divided once, by their number. With ``dp > 1`` the
-    schedule never scales them: :class:`~boost_compile.train.dp_buckets.BucketedDpAverage`
-    all-reduces them in buckets of ``bucket_mb`` MiB during the backward and divides the sums
-    by the dp ranks and micro-batches once.
+    over every slice's micro-batches and are divided once, by their number. With ``dp > 1``
+    (without FSDP2, which averages over the data ranks itself) the schedule never scales them:
+    :class:`~boost_compile.train.dp_buckets.BucketedDpAverage` all-reduces them in buckets of
+    ``bucket_mb`` MiB during the backward and divides the sums by the dp ranks and micro-batches once.
     """
     from boost_compile.distributed.pipeline import pipeline_step
     from boost_compile.train.dp_buckets import BucketedDpAverage
 
     params = list(parts.model.parameters())
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
+    # FSDP2 (dp_shard > 1) reduce-scatters (and averages) each stage's gradients itself
     average = BucketedDpAverage(list(parts.model.named_parameters()), dev.group("dp"), dev.dp,
-                                bucket_mb) if dev.dp > 1 else None
+                                bucket_mb) if dev.dp > 1 and dev.dp_shard == 1 else None
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         slices = zip(inputs.chunk(micro_steps), targets.chunk(micro_steps), strict=True)

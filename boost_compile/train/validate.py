@@ -440,10 +440,11 @@ def check_fsdp(tc: TrainConfig) -> None:
     par = tc.parallel
     if par.dp_shard == 1:
         return
-    if par.pp > 1:
+    if par.pp > 1 and par.pp_schedule == "zero_bubble":
         raise ConfigError(
-            f"parallel.dp_shard={par.dp_shard} (FSDP2) runs with parallel.pp=1 in this build (got pp={par.pp}); "
-            "shard a pipeline layout's optimizer state with parallel.zero=1 instead"
+            "parallel.pp_schedule=zero_bubble computes each stage's weight gradients apart from its input gradients, "
+            "and FSDP2 (parallel.dp_shard > 1) then reduces other gradients than the whole model's (measured: wrong "
+            "gradients from the first step); use pp_schedule=1f1b, gpipe or interleaved_1f1b with FSDP2"
         )
     if par.tp > 1 and par.plan == "vanilla":
         raise ConfigError("parallel.dp_shard > 1 (FSDP2) shards btp's and megatron's TP shards; parallel.plan=vanilla's "

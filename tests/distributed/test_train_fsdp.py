@@ -184,6 +184,20 @@ def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single,
     assert_train_parity(one, references, "one process from the tp2 x fsdp2 checkpoint", first=3)
 
 
+def test_pp2_by_fsdp2_matches_single_process_and_resumes_in_one(references, tmp_path):
+    """Two pipeline stages, each sharded by FSDP2 over 2 ranks (4 ranks, 1F1B, 2 micro-batches, low-rank
+    checkpointing): PyTorch's PipelineStage runs every micro-batch's backward unreduced and reduce-scatters
+    each stage once. Step 3's checkpoint (each stage's shards) resumes in one process within the rule."""
+    layout = (*ONE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2", "++passes.options.checkpoint=lowrank")
+    run4 = torchrun(4, list(layout), tmp_path / "ppfsdp")
+    assert_train_parity(run4, references, "pp2 x fsdp2, checkpoint=lowrank")
+    log = (tmp_path / "ppfsdp" / "train.log").read_text()
+    assert "pp=2 dp=1x2 (fsdp2) tp=1" in log and "FSDP2 over 2: 2 units (tok_embeddings ... layers.0) and the root" in log
+    checkpoint = tmp_path / "ppfsdp" / "checkpoints" / "step_000003"
+    one = run(cfg_of(*ONE, "trainer.resume=true", f"checkpoint.resume_from={checkpoint}"), tmp_path / "one")
+    assert_train_parity(one, references, "one process from the pp2 x fsdp2 checkpoint", first=3)
+
+
 def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
     """Rank 1 SIGKILLed after step 5 (checkpoints at 3 and 6): torchrun restarts the group, which
     resumes (trainer.resume=auto) from step 3's shards and ends with the uninterrupted run's losses."""
@@ -195,8 +209,9 @@ def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (("parallel=fsdp2", "parallel.pp=2"), r"parallel.dp_shard=2 \(FSDP2\) runs with parallel.pp=1 in this build"),
     (("parallel=fsdp2", "parallel.tp=2", "parallel.plan=vanilla"), "parallel.plan=vanilla's DTensor parameters are not supported"),
+    (("parallel=fsdp2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.stages_per_rank=2", "passes=none",
+      "+model.overrides.n_layers=4"), "pp_schedule=zero_bubble computes each stage's weight gradients apart"),
     (("parallel=fsdp2", "parallel.zero=1"), "already shards it with the weights and gradients; set parallel.zero=0"),
     (("parallel=fsdp2", "passes.unit=model"), "use passes.unit=block"),
     (("parallel=fsdp2", "trainer.batch=3"), r"must be divisible by parallel.dp x dp_shard=2"),
