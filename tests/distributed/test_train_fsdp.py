@@ -198,6 +198,27 @@ def test_pp2_by_fsdp2_matches_single_process_and_resumes_in_one(references, tmp_
     assert_train_parity(one, references, "one process from the pp2 x fsdp2 checkpoint", first=3)
 
 
+#: LaX (no pipeline stages can carry it) with more weights than activations: d 256, 8 blocks, rank 64, 2 x 32 tokens
+WIDE_LAX = ("model=tiny-lax", "+model.overrides.dim=256", "+model.overrides.n_layers=8", "+model.overrides.ffn_dim=512",
+            "+model.overrides.rank_attn=64", "+model.overrides.rank_mlp=64", "trainer.batch=2", "trainer.seq=32")
+
+
+def test_auto_trains_under_fsdp2_where_ddp_and_zero1_do_not_fit(tmp_path):
+    """parallel=auto on 2 processes with 22.5 MiB per device: the planner prices DDP (51 MiB) and ZeRO-1
+    (38 MiB) over the cap, a pipeline cannot carry LaX, and FSDP2 fits and beats TP2; boost-train trains
+    under it. Measured: each rank's weights, gradients and AdamW state are under the cap, and twice that
+    (what a DDP replica holds of them alone) is over it."""
+    cap_gib = 0.022
+    out = tmp_path / "auto"
+    result = torchrun(2, [*FAST, *WIDE_LAX, "passes=boost_aot_eager", "parallel=auto", "parallel.hardware=cpu",
+                          f"parallel.memory_gib={cap_gib}", "checkpoint.enabled=false", "trainer.steps=3"], out)
+    log = (out / "train.log").read_text()
+    assert "parallel=auto: chose tp1 fsdp2" in log and "dp=1x2 (fsdp2)" in log
+    assert result["status"] == "completed" and result["losses"][-1] < result["losses"][0]
+    cap_mib = cap_gib * 1024
+    assert result["state_mib"]["total"] < cap_mib < 2 * result["state_mib"]["total"], (result["state_mib"], cap_mib)
+
+
 def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
     """Rank 1 SIGKILLed after step 5 (checkpoints at 3 and 6): torchrun restarts the group, which
     resumes (trainer.resume=auto) from step 3's shards and ends with the uninterrupted run's losses."""
