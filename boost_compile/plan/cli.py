@@ -125,19 +125,21 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     shown = (fitting or list(rows))[:top]  # the layouts that fit; when none does, the nearest misses
     labels = {**TERM_LABELS, **{t: k for t, k in FSDP_LABELS.items() if any(r.terms_gib.get(t) for r in shown)}}
     terms = list(labels)
-    head = ["#", "layout", "step (s)", "tokens/s", "memory (GiB)", *(labels[t] for t in terms), "fits"]
+    # under 1 GiB per device (a memory cap on a toy model) the figures are in MiB: 0.00 GiB says nothing
+    scale, unit = (1024, "MiB") if job.memory_bytes < 2**30 else (1, "GiB")
+    head = ["#", "layout", "step (s)", "tokens/s", f"memory ({unit})", *(labels[t] for t in terms), "fits"]
     lines = [
         f"{job.spec.name} ({job.spec.num_params() / 1e6:,.1f}M params, {job.spec.kind}, d {job.spec.dim} x "
         f"{job.spec.n_layers} layers, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
-        f"({job.per_node} per node, {job.memory_bytes / 2**30:.1f} GiB usable each), batch {job.batch} x seq {job.seq}, "
+        f"({job.per_node} per node, {job.memory_bytes / 2**30 * scale:.1f} {unit} usable each), batch {job.batch} x seq {job.seq}, "
         f"{job.precision}; {len(rows)} layouts, {sum(r.fits for r in rows)} fit",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|",
     ]
     for i, r in enumerate(shown, 1):
-        cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib:.2f}",
-                 *(f"{r.terms_gib[t]:.2f}" for t in terms), "yes" if r.fits else "no"]
+        cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib * scale:.2f}",
+                 *(f"{r.terms_gib[t] * scale:.2f}" for t in terms), "yes" if r.fits else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
     if shown:

@@ -256,6 +256,12 @@ def test_boost_plan_prints_a_table_and_writes_json(tmp_path, capsys):
     assert keys <= set(rows[0]) and rows[0]["fits"]
     assert rows[0]["command"] in text
     assert rows[0]["command"].startswith("torchrun --nproc-per-node 2 -m boost_compile.train model=cola-60m")
+    # under 1 GiB per device the table is in MiB: the cap and every row's memory stay readable
+    assert cli.main(["--model", "cola-60m", "--devices", "2", "--batch", "8", "--seq", "128", "--hardware", "cpu",
+                     "--vocab-size", "256", "--memory-gib", "0.5", "--json", str(out), "--top", "1"]) == 0
+    text, row = capsys.readouterr().out, json.loads(out.read_text())[0]
+    assert "512.0 MiB usable each" in text and "| memory (MiB) |" in text
+    assert f"| {row['memory_gib'] * 1024:.2f} |" in text
 
 
 def test_boost_plan_reads_a_model_config_and_a_hugging_face_config(tmp_path, capsys):
