@@ -25,7 +25,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_references
+import torch
+from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
 
 from boost_compile.config import ConfigError
 from boost_compile.train import run
@@ -66,6 +67,9 @@ def test_fsdp2_matches_single_process(fsdp2, references):
     assert "compiled 2 blocks one by one" in log
     # units: the embedding, each block, the final norm with the head; then the root
     assert "FSDP2 over 2: 4 units (tok_embeddings ... norm+output) and the root" in log
+    # each data rank draws its own random numbers (its own dropout masks), as DDP's replicas do
+    states = rng_states(Path(fsdp2["run_dir"]) / "checkpoints" / "step_000006")
+    assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
 
 
 def test_fsdp2_holds_half_of_one_process_state(fsdp2, single):
