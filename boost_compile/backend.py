@@ -52,6 +52,8 @@ class GraphRecord:
     view: GraphView | None = None
     #: what ``verify`` compared on this graph, and what it dropped (None: verify off)
     verify: VerifyReport | None = None
+    #: the times its compiled forward ran, where a wrapper counts them (``trainer.memory_report``'s)
+    calls: int = 0
 
 
 @dataclass

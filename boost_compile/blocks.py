@@ -136,7 +136,7 @@ def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any, o
     from boost_compile.distributed.shard import ParallelizeError
     from boost_compile.distributed.tp_blocks import prepare_blocks
 
-    if not (backend == "boost" or getattr(backend, "func", None) is _compile_graph()):
+    if not (backend == "boost" or getattr(_unwrapped(backend), "func", None) is _compile_graph()):
         raise BlockCompileError(f"a model parallelized with {plan!r} compiles only with the boost backend, which "
                                 "makes each block's graph this rank's program")
     try:
@@ -147,13 +147,14 @@ def _prepare_tensor_parallel(model: nn.Module, names: list[str], backend: Any, o
 
 def _blocks_inner(backend: Any, options: dict[str, Any] | None) -> str | None:
     """The compiler the blocks' code ends in: "inductor" for backend="inductor", boost's inner
-    compiler for boost (by name or a ``compile_graph`` partial), None for anything else."""
+    compiler for boost (by name or a ``compile_graph`` partial, maybe wrapped), None for anything else."""
     if backend == "inductor":
         return "inductor"
     from boost_compile.config import BoostConfig
 
     if backend == "boost":
         return BoostConfig.from_options(dict(options or {})).inner
+    backend = _unwrapped(backend)
     if getattr(backend, "func", None) is _compile_graph():
         given = backend.keywords.get("config")
         return (given if isinstance(given, BoostConfig) else BoostConfig.from_options(given)).inner
@@ -195,6 +196,14 @@ def _compile_head_loss(model: nn.Module, blocks: Sequence[str]) -> None:
     head._boost_loss_hook = head.register_forward_hook(
         lambda _m, _a, out: LossLogits.wrap(out, loss) if type(out) is torch.Tensor else out)
     log.info("F.cross_entropy on the logits of %s runs compiled with Inductor", name)
+
+
+def _unwrapped(backend: Any) -> Any:
+    """The backend a wrapper made with ``functools.wraps`` calls (``trainer.memory_report``'s, which
+    turns the caches off and counts the calls): the blocks compile as they would without it."""
+    while getattr(backend, "__wrapped__", None) is not None:
+        backend = backend.__wrapped__
+    return backend
 
 
 def _compile_graph() -> Any:

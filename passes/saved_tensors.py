@@ -93,7 +93,8 @@ def saved_tensors_report(
     in (itself, or the base of a view) and that storage's bytes, kind, block, role
     (the checkpoint pass's, else "partitioner") and module path. Kinds:
 
-    - "input": a primal (parameter, buffer, data input) or a view of one;
+    - "input": a primal (parameter, buffer, data input) or a view of one; ``static`` for a
+      parameter or buffer (``static_inputs``);
     - "weight": computed from parameters and buffers alone (``static_inputs``),
       e.g. the concatenated weights of a group: no per-token memory;
     - "rng_state": generator state kept to recompute a random op (SDPA on CPU);
@@ -140,6 +141,8 @@ def saved_tensors_report(
             "storage": base.name,
             "storage_bytes": _nbytes(base_val),
             "kind": kind,
+            # an input of static lifetime (a parameter or buffer), or one another graph made (a block's input)
+            "static": kind == "input" and base.name in static,
             "block": block_of(node),
             "role": info.get("role") or "partitioner",
             "module": module_path(node) or "-",
@@ -201,6 +204,14 @@ def activation_bytes(report: PassReport) -> dict[str, int]:
             seen.add(s["storage"])
             out[s["block"]] = out.get(s["block"], 0) + s["storage_bytes"]
     return out
+
+
+def saved_input_bytes(report: PassReport) -> int:
+    """Saved bytes of the graph's inputs that are not parameters or buffers, each storage once: what
+    another graph or eager code made, e.g. a block's input when the blocks are compiled one by one."""
+    seen = {s["storage"] for s in report.details.get("saved", []) if s["kind"] == "input" and not s.get("static", True)}
+    sizes = {s["storage"]: s["storage_bytes"] for s in report.details.get("saved", [])}
+    return sum(sizes[name] for name in seen)
 
 
 def saved_markdown(report: PassReport, unnamed: str = "-") -> list[str]:

@@ -5,7 +5,8 @@
         -- model.preset=cola-60m trainer.batch=8 trainer.seq=128
 
 :func:`measure` runs each layout (a dict of ``tp, pp, dp, zero, microbatches,
-schedule, checkpoint, plan, stages_per_rank``) as a subprocess, ``tp * pp * dp`` processes (torchrun
+schedule, checkpoint, plan, stages_per_rank, dp_shard, reshard_after_forward``: FSDP2 with ``dp_shard > 1``)
+as a subprocess, ``tp * pp * dp * dp_shard`` processes (torchrun
 ``--standalone`` when more than one, one intra-op thread each), with
 ``trainer.memory_report=true`` (:mod:`boost_compile.train.memory_report`: every rank's
 measured params, grads, optimizer state, DDP buckets, saved activations per
@@ -30,7 +31,7 @@ from typing import Any
 #: A layout's keys and the value a missing one takes (microbatches None: pp).
 LAYOUT_DEFAULTS: dict[str, Any] = {
     "tp": 1, "pp": 1, "dp": 1, "zero": 0, "microbatches": None, "schedule": "1f1b", "checkpoint": "none", "plan": "auto",
-    "stages_per_rank": 1,
+    "stages_per_rank": 1, "dp_shard": 1, "reshard_after_forward": True,
 }
 
 #: The fixed settings of every job: one thread, no progress output, plot or checkpoint, a short final evaluation.
@@ -56,20 +57,24 @@ def _full(layout: dict[str, Any]) -> dict[str, Any]:
     full = {**LAYOUT_DEFAULTS, **layout}
     if full["microbatches"] is None:
         full["microbatches"] = full["pp"]
+    if isinstance(full["reshard_after_forward"], str):  # from --layout's text
+        full["reshard_after_forward"] = full["reshard_after_forward"].lower() in ("1", "true", "yes")
     return full
 
 
 def label(layout: dict[str, Any]) -> str:
-    """The layout's folder name, e.g. ``tp2-pp1-dp1-z0-mb1-1f1b-none-btp``."""
+    """The layout's folder name, e.g. ``tp2-pp1-dp1-z0-mb1-1f1b-none-btp``; FSDP2's ends in ``-fsdp2``
+    (``dp_shard``) and ``-noreshard`` without ``reshard_after_forward``."""
     f = _full(layout)
     virtual = f"-v{f['stages_per_rank']}" if f["stages_per_rank"] > 1 else ""
+    fsdp = (f"-fsdp{f['dp_shard']}" + ("" if f["reshard_after_forward"] else "-noreshard")) if f["dp_shard"] > 1 else ""
     return (f"tp{f['tp']}-pp{f['pp']}-dp{f['dp']}-z{f['zero']}-mb{f['microbatches']}-"
-            f"{f['schedule']}{virtual}-{f['checkpoint']}-{f['plan']}")
+            f"{f['schedule']}{virtual}-{f['checkpoint']}-{f['plan']}{fsdp}")
 
 
 def processes(layout: dict[str, Any]) -> int:
     f = _full(layout)
-    return int(f["tp"]) * int(f["pp"]) * int(f["dp"])
+    return int(f["tp"]) * int(f["pp"]) * int(f["dp"]) * int(f["dp_shard"])
 
 
 def command(layout: dict[str, Any], run_dir: Path, model_overrides: Sequence[str], steps: int = 3) -> list[str]:
@@ -82,6 +87,8 @@ def command(layout: dict[str, Any], run_dir: Path, model_overrides: Sequence[str
         f"parallel.tp={f['tp']}", f"parallel.pp={f['pp']}", f"parallel.dp={f['dp']}", f"parallel.zero={f['zero']}",
         f"parallel.microbatches={microbatches}", f"parallel.pp_schedule={f['schedule']}", f"parallel.plan={f['plan']}",
         f"parallel.stages_per_rank={f['stages_per_rank']}",
+        *([f"parallel.dp_shard={f['dp_shard']}", f"parallel.reshard_after_forward={str(f['reshard_after_forward']).lower()}"]
+          if int(f["dp_shard"]) > 1 else []),
         # ++: add the key to passes.options, or override it when the passes group already sets it
         f"++passes.options.checkpoint={f['checkpoint']}",
         *JOB_OVERRIDES, f"trainer.steps={steps}", f"hydra.run.dir={run_dir}", *model_overrides,

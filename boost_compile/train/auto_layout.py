@@ -83,8 +83,9 @@ def model_spec(tc: TrainConfig) -> ModelSpec:
 
 
 def fsdp_allowed(tc: TrainConfig) -> bool:
-    """Whether boost-train runs FSDP2 with the rest of ``tc``: blocks compiled one by one, no memory report."""
-    return not tc.trainer.memory_report and (tc.passes.backend == "none" or tc.passes.unit == "block")
+    """Whether boost-train runs FSDP2 with the rest of ``tc``: blocks compiled one by one (a memory report
+    keeps them so under FSDP2)."""
+    return tc.passes.backend == "none" or tc.passes.unit == "block"
 
 
 def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | None = None,

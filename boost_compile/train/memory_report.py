@@ -18,7 +18,18 @@ figures a layout planner predicts, measured on the real run:
   schedule, so there the peak sees its saved tensors and this does not). Needs
   ``passes.backend=boost``; else null; ``saved_per_graph``: the same per partitioned
   graph; ``graphs``: the graphs compiled (evaluation's inference graphs among them,
-  which save nothing);
+  which save nothing); ``compile_unit``: ``model``, or ``block`` under FSDP2
+  (``parallel.dp_shard > 1``), which keeps the blocks compiled one by one (it shards
+  them so). Then one graph may run for many blocks, and the names in a block's graph
+  are the block's own: ``saved_by_block`` is null, ``saved_per_graph`` the bytes one
+  call of each graph saves, ``graph_calls`` each graph's calls in the profiled step
+  (counted around its compiled forward), ``forwards`` the model's forwards there (its
+  micro-steps), and ``saved_activations`` the sum of bytes times calls per forward: the
+  blocks' saved tensors, not those of the embedding, final norm, head and loss, which
+  run eagerly (the peak sees them). ``saved_inputs`` (and ``saved_inputs_per_graph``)
+  is the same for the graph inputs a block keeps that are not parameters: its input,
+  which the block before it made (whole-model graphs count it among the activations),
+  and tensors every block reads, such as rotary tables, once per call though shared;
 - ``peak``: the most tensor bytes live during one whole step (forward, backward,
   optimizer), the last step of the run, after the compiling ones: ``baseline`` (the
   bytes live as the step starts, by tensor accounting: ``baseline_terms``, params,
@@ -26,9 +37,12 @@ figures a layout planner predicts, measured on the real run:
   state, dp buckets) plus ``peak_above_start``, the maximum of the running sum of
   the step's allocations and frees, in time order, from a memory profile
   (``torch.profiler`` with ``profile_memory=True``; it sees every tensor PyTorch's
-  allocator makes, Inductor's buffers included, not the scratch memory of BLAS or
-  oneDNN). ``end_above_start`` is that sum at the step's end (near 0 when nothing
-  else stays alive); ``compiled_during_profile``: graphs the boost backend compiled
+  allocator makes, Inductor's buffers and FSDP2's gathered weights and reduce-scatter
+  buffers included, not the scratch memory of BLAS or oneDNN).
+  ``end_above_start`` is that sum at the step's end (near 0 when nothing else stays
+  alive; under gloo a collective's buffer freed on gloo's own thread is a free the
+  profile does not see: a few such buffers, which may also sit in the peak);
+  ``compiled_during_profile``: graphs the boost backend compiled
   inside the profiled step (0 unless the run has a single step or recompiles: the
   compiler's own tensors would then be in the peak). null without a profiled step
   (a run stopped early).
@@ -37,6 +51,7 @@ figures a layout planner predicts, measured on the real run:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
@@ -55,15 +70,30 @@ log = logging.getLogger("boost_compile.train")
 REPORT_FILE = "memory_rank{rank}.json"
 
 
-def uncached(backend: Callable[..., Any]) -> Callable[..., Any]:
-    """``backend`` run with the compile caches off (``compat.NO_COMPILE_CACHES``): a cache hit
-    would skip the partitioner, and with it the report of what the forward saves."""
+def recording_backend(backend: Callable[..., Any], recorder: Recorder) -> Callable[..., Any]:
+    """``backend`` (which records each graph into ``recorder``) run with the compile caches off
+    (``compat.NO_COMPILE_CACHES``: a cache hit would skip the partitioner, and with it the report of
+    what the forward saves), each compiled forward counting its calls in its record's ``calls``:
+    blocks compiled one by one may run one graph for many blocks."""
 
-    def compile_uncached(gm: Any, example_inputs: Sequence[Any]) -> Any:
+    @functools.wraps(backend)  # blocks.py reads the boost backend's settings through the wrapper
+    def compile_recording(gm: Any, example_inputs: Sequence[Any]) -> Any:
+        before = len(recorder.graphs)
         with compat.compile_settings(**compat.NO_COMPILE_CACHES):
-            return backend(gm, example_inputs)
+            compiled = backend(gm, example_inputs)
+        if len(recorder.graphs) == before:
+            return compiled
+        record = recorder.graphs[before]
 
-    return compile_uncached
+        def counted(*args: Any) -> Any:
+            record.calls += 1
+            return compiled(*args)
+
+        if getattr(compiled, "_boxed_call", False):  # Dynamo then calls it with one list: passed on as it is
+            counted._boxed_call = True  # type: ignore[attr-defined]
+        return counted
+
+    return compile_recording
 
 
 def peak_of(records: Sequence[tuple[int, int, str]], device: str) -> tuple[int, int]:
@@ -92,6 +122,23 @@ def saved_bytes(recorder: Recorder) -> tuple[dict[str, int], list[int]]:
     return by_block, per_graph
 
 
+def saved_per_call(recorder: Recorder, calls: Sequence[int], forwards: int) -> dict[str, Any]:
+    """Blocks compiled one by one: each graph's saved bytes per call (what it makes, and the inputs it
+    keeps that are no parameter), its calls in the profiled step, and their products summed over the
+    graphs per model forward (a micro-batch)."""
+    from boost_compile.passes.saved_tensors import activation_bytes, saved_input_bytes
+
+    per_graph = [sum(sum(activation_bytes(r).values()) for r in g.partition_reports) for g in recorder.graphs]
+    inputs = [sum(saved_input_bytes(r) for r in g.partition_reports) for g in recorder.graphs]
+    calls = [*calls, *[0] * (len(per_graph) - len(calls))]  # graphs compiled after it (evaluation's) ran 0 times
+
+    def per_forward(per_call: list[int]) -> int | None:
+        return sum(b * c for b, c in zip(per_call, calls, strict=True)) // forwards if forwards else None
+
+    return {"saved_activations": per_forward(per_graph), "saved_inputs": per_forward(inputs), "saved_by_block": None,
+            "saved_per_graph": per_graph, "saved_inputs_per_graph": inputs, "graph_calls": calls, "forwards": forwards}
+
+
 class MemoryReport:
     """One rank's ``memory_rank{R}.json``; does nothing unless ``enabled``.
 
@@ -111,13 +158,21 @@ class MemoryReport:
         self.optimizer: torch.optim.Optimizer | None = None
         self.ddp: nn.Module | None = None
         self.profile: dict[str, Any] | None = None
+        #: blocks compiled one by one (FSDP2): the saved activations are each graph's times its calls
+        self.per_block = False
+        #: per graph, its forward's calls in the profiled step; and the model's forwards there
+        self.calls: list[int] | None = None
+        self.forwards = 0
 
     def bind(self, model: nn.Module, optimizer: torch.optim.Optimizer, train_fn: nn.Module | None = None) -> None:
         """The parameters, their optimizer, and what a step calls (DDP's buckets are read from it)."""
         from torch.nn.parallel import DistributedDataParallel
 
+        from boost_compile.blocks import compiled_blocks
+
         self.model, self.optimizer = model, optimizer
         self.ddp = train_fn if isinstance(train_fn, DistributedDataParallel) else None
+        self.per_block = bool(compiled_blocks(model))
 
     def dp_buckets(self) -> int:
         return compat.ddp_bucket_bytes(self.ddp) if self.ddp is not None else 0
@@ -138,8 +193,24 @@ class MemoryReport:
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         graphs = len(self.recorder.graphs) if self.recorder is not None else 0
-        with profile(activities=activities, profile_memory=True) as prof:
-            yield
+        calls_before = [g.calls for g in self.recorder.graphs] if self.recorder is not None else []
+        forwards = [0]
+
+        def count_forward(_module: nn.Module, _args: Any) -> None:
+            forwards[0] += 1
+
+        # the model runs eagerly around its compiled blocks: a hook there changes no guard (compiled whole, it would)
+        hook = self.model.register_forward_pre_hook(count_forward) if self.per_block else None
+        try:
+            with profile(activities=activities, profile_memory=True) as prof:
+                yield
+        finally:
+            if hook is not None:
+                hook.remove()
+        if self.recorder is not None:
+            before = calls_before + [0] * (len(self.recorder.graphs) - len(calls_before))
+            self.calls = [g.calls - b for g, b in zip(self.recorder.graphs, before, strict=True)]
+        self.forwards = forwards[0]
         compiled = (len(self.recorder.graphs) if self.recorder is not None else 0) - graphs
         records = compat.profiler_memory_records(prof)
         above, end = peak_of(records, self.device.type)
@@ -157,7 +228,15 @@ class MemoryReport:
         report: dict[str, Any] = {"rank": self.rank}
         report.update({k: (state or {}).get(k) for k in ("params", "grads", "optimizer")})
         report["dp_buckets"] = self.profile["baseline_terms"]["dp_buckets"] if self.profile else self.dp_buckets()
-        if self.recorder is not None and self.recorder.graphs:
+        report["compile_unit"] = "block" if self.per_block else "model"
+        if self.recorder is not None and self.recorder.graphs and self.per_block:
+            if self.calls is not None:
+                report.update(saved_per_call(self.recorder, self.calls, self.forwards), graphs=len(self.recorder.graphs))
+            else:  # no profiled step: no calls counted
+                report.update(dict.fromkeys(("saved_activations", "saved_inputs", "saved_by_block", "saved_per_graph",
+                                             "saved_inputs_per_graph", "graph_calls", "forwards")),
+                              graphs=len(self.recorder.graphs))
+        elif self.recorder is not None and self.recorder.graphs:
             by_block, per_graph = saved_bytes(self.recorder)
             report.update(saved_activations=sum(by_block.values()), saved_by_block=by_block,
                           saved_per_graph=per_graph, graphs=len(self.recorder.graphs))

@@ -11,11 +11,13 @@ decided): a TP group is consecutive ranks, then dp, pp outermost.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,18 +226,20 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
     class's ``forward``, and Dynamo would make the second stage's shapes
     symbolic (automatic dynamic shapes on a recompile of the same code).
     ``recorder`` (``trainer.memory_report``): the boost backend records each graph
-    it compiles there (the partitioned graphs' saved tensors), the compile caches off.
+    it compiles there (the partitioned graphs' saved tensors, the calls of each), the compile
+    caches off; by default the one :func:`recording` set (FSDP2's path passes none).
     """
     passes = tc.passes
     if passes.backend == "none":
         return model
     backend: Any = passes.backend
     options = dict(passes.options) if passes.backend == "boost" else None
+    recorder = recorder if recorder is not None else _RECORDER.get()
     if passes.backend == "boost" and recorder is not None:
-        from boost_compile.train.memory_report import uncached
+        from boost_compile.train.memory_report import recording_backend
 
         config = BoostConfig.from_options(dict(passes.options))
-        backend, options = uncached(functools.partial(compile_graph, config=config, recorder=recorder)), None
+        backend, options = recording_backend(functools.partial(compile_graph, config=config, recorder=recorder), recorder), None
     if compiles_per_block(tc, model):
         try:
             compile_blocks(model, options, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
@@ -248,13 +252,32 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
     return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic, **kwargs)
 
 
+#: the recorder :func:`compile_model` compiles into when its caller passes none (:func:`recording`)
+_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("boost_compile_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording(recorder: Recorder | None) -> Iterator[None]:
+    """:func:`compile_model` records into ``recorder`` inside: FSDP2's path builds the model through a
+    function that compiles without one."""
+    token = _RECORDER.set(recorder)
+    try:
+        yield
+    finally:
+        _RECORDER.reset(token)
+
+
 def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:
-    """``passes.unit=block``, unless ``trainer.memory_report`` is on (it compiles the whole model,
-    logged). A tensor-parallel model whose code around the blocks cannot run eagerly on its shards
+    """``passes.unit=block``, unless ``trainer.memory_report`` is on without FSDP2 (it compiles the whole
+    model, logged; FSDP2 shards the blocks compiled one by one, so there the report counts each graph's
+    calls instead). A tensor-parallel model whose code around the blocks cannot run eagerly on its shards
     is compiled whole by :func:`compile_model` (logged with the construct)."""
     if tc.passes.unit != "block" or tc.passes.backend == "none":
         return False
-    if tc.trainer.memory_report:
+    if tc.trainer.memory_report and tc.parallel.dp_shard > 1:
+        log.info("passes.unit=block: trainer.memory_report keeps the blocks compiled one by one under FSDP2 "
+                 "(parallel.dp_shard > 1 shards them): its saved activations are read per graph, times its calls")
+    elif tc.trainer.memory_report:
         log.info("passes.unit=block: trainer.memory_report compiles the whole model (its saved-tensor "
                  "terms are read per compiled graph, and identical blocks would share one)")
         return False
@@ -349,7 +372,8 @@ def build_model_parts(
         parallelize(model, tc, dev, example)
     cast_weights(model, tc.trainer.precision)
     if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled
-        return _fsdp_model_parts(model, tc, dev, before_compile)
+        with recording(recorder):
+            return _fsdp_model_parts(model, tc, dev, before_compile)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)

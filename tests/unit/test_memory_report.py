@@ -2,7 +2,8 @@
 ``boost_compile.bench.plan_measure`` running a layout's job.
 
 The runs are the tiny preset in one process, 3 steps of 4 x 32 tokens, the boost backend with
-aot_eager (its partitioner reports what the forward saves as Inductor's does), a few seconds each.
+aot_eager (its partitioner reports what the forward saves as Inductor's does), a few seconds each;
+and the same under FSDP2 over 2 processes (torchrun, gloo), against the one-process report.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import FAST, cfg_of
+from conftest import FAST, cfg_of, torchrun
 
 import boost_compile as bc
 from boost_compile.bench import plan_measure
@@ -71,6 +72,50 @@ def test_peak_is_the_profiled_step(reports):
     assert reports["full"]["peak_above_start"] < reports["none"]["peak_above_start"]
 
 
+@pytest.fixture(scope="module")
+def fsdp_reports(tmp_path_factory) -> list[dict]:
+    """Both ranks' reports of FSDP2 over 2 processes, checkpoint none (the blocks compiled one by one)."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    summary = torchrun(2, [*RUN, "parallel=fsdp2", "trainer.memory_report=true", "+passes.options.checkpoint=none"], out)
+    assert summary["status"] == "completed"
+    return [json.loads((out / f"memory_rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_fsdp2_reports_each_ranks_shards_its_blocks_saved_tensors_and_its_peak(reports, fsdp_reports):
+    """Each rank holds half of every tensor (tiny's widths divide by 2), measured against one process's;
+    one graph runs both blocks, and its saved bytes times its calls are the one-process blocks' on
+    half the batch; the peak is the profiled step's, under one process's."""
+    one = reports["none"]
+    counters = one["optimizer"] - 2 * one["params"]  # AdamW's step counters: whole on every rank
+    for report in fsdp_reports:
+        assert report["compile_unit"] == "block" and report["dp_buckets"] == 0
+        assert report["params"] == report["grads"] == one["params"] // 2
+        assert report["optimizer"] == 2 * report["params"] + counters
+        assert report["saved_per_graph"][0] > 0 and report["graph_calls"][0] == 2 and report["forwards"] == 1
+        assert report["saved_activations"] == sum(b * c for b, c in zip(report["saved_per_graph"], report["graph_calls"], strict=True))
+        blocks = (one["saved_by_block"]["layers.0"] + one["saved_by_block"]["layers.1"]) / 2
+        # each block's input is the graph's (saved_inputs), the rotary tables once per call beside it
+        assert report["saved_activations"] + report["saved_inputs"] == pytest.approx(blocks, rel=0.02)
+        assert report["profiled_step"] == 3 and report["compiled_during_profile"] == 0
+        assert report["baseline_terms"] == {"params": report["params"], "grads": 0, "optimizer": report["optimizer"],
+                                            "dp_buckets": 0}
+        assert report["peak"] == report["baseline"] + report["peak_above_start"]
+        assert report["saved_activations"] < report["peak_above_start"] and report["peak"] < one["peak"]
+
+
+def test_the_report_keeps_fsdp2s_blocks_compiled_one_by_one_and_the_rest_whole():
+    from torch import nn
+
+    from boost_compile.train.auto_layout import fsdp_allowed
+    from boost_compile.train.parallel import compiles_per_block
+    from boost_compile.train.validate import validate
+
+    fsdp, _ = validate(cfg_of(*RUN, "parallel=fsdp2", "trainer.memory_report=true"), world_size=2)
+    assert compiles_per_block(fsdp, nn.Module()) and fsdp_allowed(fsdp)
+    ddp, _ = validate(cfg_of(*RUN, "parallel=dp2", "trainer.memory_report=true", "passes.unit=block"), world_size=2)
+    assert not compiles_per_block(ddp, nn.Module())  # read from the whole model's graph, as before
+
+
 def test_off_writes_no_report(tmp_path):
     summary = run(cfg_of(*RUN), tmp_path)
     assert summary["status"] == "completed"
@@ -95,6 +140,11 @@ def test_layout_label_and_command(tmp_path):
     assert "--nproc-per-node" in pp and pp[pp.index("--nproc-per-node") + 1] == "4"
     assert "parallel.microbatches=4" in pp and "++passes.options.checkpoint=full" in pp
     assert "torch.distributed.run" not in plan_measure.command({}, tmp_path, [])
+    hsdp = {"dp": 2, "dp_shard": 2, "reshard_after_forward": "false"}
+    assert plan_measure.label(hsdp) == "tp1-pp1-dp2-z0-mb1-1f1b-none-auto-fsdp2-noreshard" and plan_measure.processes(hsdp) == 4
+    cmd = plan_measure.command(hsdp, tmp_path, [])
+    assert "parallel.dp_shard=2" in cmd and "parallel.reshard_after_forward=false" in cmd
+    assert "parallel.dp_shard=2" not in pp
     with pytest.raises(ValueError, match="unknown layout key"):
         plan_measure.label({"tp": 1, "sp": 2})
 
