@@ -96,6 +96,18 @@ def test_accumulation_keeps_the_unsharded_gradients():
     assert mem(spec, tp=1, dp=1, dp_shard=8).terms["fsdp_accum"] == 0
 
 
+def test_the_reduce_scatter_input_is_not_live_with_the_block_being_recomputed():
+    """A unit's gradients are reduce-scattered after its backward, when what it recomputed is freed:
+    the backward's transient holds the larger of the two (the logits' gradient beside it either way)."""
+    spec = from_preset("cola-60m")
+    lowrank = mem(spec, tp=1, dp=1, dp_shard=2, checkpoint="lowrank")
+    ddp_lowrank = mem(spec, tp=1, dp=2, checkpoint="lowrank")  # the logits' gradient and the recompute
+    none = mem(spec, tp=1, dp=1, dp_shard=2)  # the logits' gradient and the largest unit's reduce-scatter input
+    assert {lowrank.peak_at, ddp_lowrank.peak_at, none.peak_at} == {"backward"}
+    assert lowrank.terms["temporary"] == max(ddp_lowrank.terms["temporary"], none.terms["temporary"])
+    assert lowrank.terms["temporary"] < ddp_lowrank.terms["temporary"] + none.terms["temporary"]
+
+
 def test_pipelines_are_not_priced_with_fsdp2():
     with pytest.raises(ValueError, match="pp = 1"):
         mem(from_preset("tiny"), tp=1, dp=1, dp_shard=2, **{**BASE, "pp": 2, "microbatches": 2})
