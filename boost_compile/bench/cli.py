@@ -34,7 +34,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Call
     "pp": ("CoLA on two CPU processes: 1 process / TP2 btp / PP2 (1F1B) / DP2", pp.add_arguments, pp.run, pp.chart),
     "memory": ("activation checkpointing: none / lowrank / full / budget", memory.add_arguments, memory.run, memory.chart),
     "scale": ("analytic model of GPU clusters beside BOOST.md's published figures", scale.add_arguments, scale.run_result, scale.chart),
-    "plan": ("the layout planner's memory and time beside 12 layouts run here (about 15 minutes)", plan.add_arguments, plan.run,
+    "plan": ("the layout planner's memory and time beside 18 layouts run here (about 20 minutes; --only fsdp: "
+             "the 6 FSDP2 ones, about 5)", plan.add_arguments, plan.run,
              plan.chart),
 }
 #: what ``all`` runs, in order, each with its defaults (``{out}``: the results folder); the last one

@@ -1,21 +1,28 @@
 """``boost-bench plan``: the layout planner's predictions beside the same layouts run here.
 
-Each layout of :data:`LAYOUTS` (a cola-60m-shaped model, byte tokens, fp32) runs as a
-real boost-train job with ``trainer.memory_report=true``
+Each layout of :data:`LAYOUTS` and :data:`FSDP_LAYOUTS` (a cola-60m-shaped model, byte
+tokens, fp32) runs as a real boost-train job with ``trainer.memory_report=true``
 (:mod:`boost_compile.bench.plan_measure`), and its measured terms stand beside the
 planner's (:mod:`boost_compile.plan`):
 
 - states (params, grads, optimizer state, DDP buckets): tensor accounting of the
-  rank's local tensors (DDP's buckets from its reducer);
+  rank's local tensors (DDP's buckets from its reducer; FSDP2's shards);
 - saved activations per micro-batch: the partitioned graphs of every compiled graph
   of the rank (under a pipeline the loss runs eagerly, outside them, so the
-  prediction leaves the log-softmax out there too);
+  prediction leaves the log-softmax out there too; under FSDP2 the blocks are compiled
+  one by one and the head and loss run eagerly: each block graph's saved tensors and
+  kept inputs times its calls, against the planner's blocks alone);
 - the peak: a memory profile of the last step (the profiler's allocator records)
   above what was live when it began, plus that;
 - the step: the median of the steady steps: not the compiling first, the ``--warmup`` steps after it
   (the heap still growing) or the profiled last.
 
-Then the planner's ranking of the two-process layouts against the measured one
+FSDP2's gathered weights, kept units and reduce-scatter buffers have no tensor of their own to
+count: the peak judges them (:func:`fsdp_lines`). ``--only fsdp`` runs the FSDP2 layouts
+alone (result ``plan-fsdp``). Memory does not depend on what else runs on the machine; the
+steps do.
+
+Then the planner's ranking of the two-process layouts without FSDP2 against the measured one
 (Kendall tau), its first choice for two processes (run too, if not among them),
 its choice under a memory cap that excludes the fastest, and its choices on
 BOOST.md section 6's settings (:mod:`boost_compile.plan.published`).
@@ -53,7 +60,18 @@ LAYOUTS = (
     Layout(1, 1, 2, zero=1),
     Layout(1, 1, 2, checkpoint="lowrank"),
 )
+#: FSDP2 over two processes, resharding after the forward or not, without and with checkpointing; HSDP 2 x 2
+FSDP_LAYOUTS = (
+    Layout(1, 1, 1, dp_shard=2, checkpoint="none"),
+    Layout(1, 1, 1, dp_shard=2, checkpoint="none", reshard_after_forward=False),
+    Layout(1, 1, 1, dp_shard=2, checkpoint="lowrank"),
+    Layout(1, 1, 1, dp_shard=2, checkpoint="lowrank", reshard_after_forward=False),
+    Layout(1, 1, 1, dp_shard=2, checkpoint="full"),
+    Layout(1, 1, 2, dp_shard=2, checkpoint="none"),
+)
 STATE_TERMS = ("params", "grads", "optimizer", "dp_buckets")
+#: the planner's FSDP2 terms and transient, and what else is live at its peak, in the FSDP2 table
+FSDP_PREDICTED = ("head", "temporary", "fsdp_gathered", "fsdp_kept")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps per job: the first compiles, the last is profiled, the median of the others after --warmup is the step")
     p.add_argument("--warmup", type=int, default=2, help="steps after the compiling first left out of the median (the heap settling)")
     p.add_argument("--runs", default=None, help="folder of the jobs' run folders (default: a temporary one)")
+    p.add_argument("--only", choices=("all", "fsdp"), default="all",
+                   help="fsdp: the FSDP2 and HSDP layouts' memory alone (result plan-fsdp), without the ranking")
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -76,19 +96,39 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 def _as_measure(lo: Layout) -> dict[str, Any]:
     return {"tp": lo.tp, "pp": lo.pp, "dp": lo.dp, "zero": lo.zero, "microbatches": lo.microbatches, "schedule": lo.schedule,
-            "checkpoint": lo.checkpoint, "plan": lo.plan if lo.tp > 1 else "auto", "stages_per_rank": lo.stages_per_rank}
+            "checkpoint": lo.checkpoint, "plan": lo.plan if lo.tp > 1 else "auto", "stages_per_rank": lo.stages_per_rank,
+            "dp_shard": lo.dp_shard, "reshard_after_forward": lo.reshard_after_forward}
+
+
+def _processes(lo: Layout) -> int:
+    return lo.tp * lo.pp * lo.dp * lo.dp_shard
 
 
 def _predicted(job: Job, lo: Layout) -> dict[str, Any]:
-    """Per pipeline rank: the planner's terms (bytes), its saved bytes per micro-batch and peak."""
+    """Per pipeline rank: the planner's terms (bytes), its saved bytes per micro-batch and peak.
+
+    The saved bytes are what the measurement reads: under a pipeline the loss runs outside the
+    stage graphs; under FSDP2 (blocks compiled one by one) the embedding, the final norm, the head
+    and the loss run outside the block graphs, so only the blocks' saved tensors and their inputs."""
     ranks = []
     for r in range(lo.pp):
         m = memory(job.spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
                    schedule=lo.schedule, checkpoint=lo.checkpoint, batch=job.batch, seq=job.seq, precision=job.precision,
-                   pp_rank=r)
+                   pp_rank=r, dp_shard=lo.dp_shard, reshard_after_forward=lo.reshard_after_forward)
         saved = m.details["saved_per_microbatch"] - (m.details["loss_per_microbatch"] if lo.pp > 1 else 0)
+        if lo.dp_shard > 1:
+            saved = m.terms["activations"]
         ranks.append({**m.terms, "saved_activations": saved, "peak": m.peak})
     return {"ranks": ranks, "step_s": price(job, lo).step_s}
+
+
+def _measured_terms(report: dict[str, Any]) -> dict[str, Any]:
+    """A rank's measured terms; blocks compiled one by one (FSDP2): the saved bytes are what the block
+    graphs make and the inputs they keep (each block's input, made by the block before it)."""
+    terms = {k: report.get(k) for k in (*STATE_TERMS, "saved_activations", "peak")}
+    if report.get("compile_unit") == "block" and report.get("saved_activations") is not None:
+        terms["saved_activations"] += report.get("saved_inputs") or 0
+    return terms
 
 
 def _errors(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, float]:
@@ -106,9 +146,33 @@ def _errors(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, float]:
 
 
 def _rank_reports(row: dict[str, Any], lo: Layout) -> list[dict[str, Any]]:
-    """One measured report per pipeline rank (ranks are pp-major: the first of each stage's group)."""
-    group = lo.tp * lo.dp
+    """One measured report per pipeline rank (ranks are pp-major: the first of each stage's group).
+    FSDP2: the rank of the highest peak (the ranks differ by the few collective buffers whose free
+    the profile misses, see train/memory_report.py)."""
+    group = lo.tp * lo.dp * lo.dp_shard
+    if lo.dp_shard > 1:
+        return [max(row["ranks"], key=lambda r: r.get("peak") or 0)]
     return [row["ranks"][r * group] for r in range(lo.pp)]
+
+
+def _measured_rows(layouts: list[Layout], jobs: dict[int, Job], args: argparse.Namespace, runs: Path,
+                   overrides: list[str]) -> list[dict[str, Any]]:
+    """Each layout run (plan_measure), its measured terms beside the planner's, and their errors."""
+    measured = plan_measure.measure([_as_measure(lo) for lo in layouts], out_dir=runs, model_overrides=overrides, steps=args.steps,
+                                    warmup=args.warmup)
+    rows = []
+    for lo, meas in zip(layouts, measured, strict=True):
+        n = _processes(lo)
+        pred = _predicted(jobs[n], lo)
+        row = {"layout": asdict(lo), "label": lo.label(), "processes": n, "predicted": pred, "error": meas["error"],
+               "command": meas["command"]}
+        if not meas["error"]:
+            reports = _rank_reports(meas, lo)
+            row["measured"] = {"ranks": [_measured_terms(r) for r in reports], "reports": reports,
+                               "step_s": meas["step_s_unprofiled"] or meas["step_s"], "steps_s": meas.get("steady_steps_s") or []}
+            row["errors"] = _errors(pred, row["measured"])
+        rows.append(row)
+    return rows
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -117,29 +181,17 @@ def run(args: argparse.Namespace) -> Result:
                          f"--warmup {args.warmup} and the profiled last; give at least --warmup + 3")
     spec = from_preset(args.preset, vocab_size=256)  # byte tokens: boost-train pads the vocabulary to 256
     hw = load_hardware("cpu")
-    jobs = {n: Job(spec, args.batch, args.seq, n, n, hw, hw.memory_gib * GIB, "fp32", (f"model={args.preset}",)) for n in (1, 2)}
-    # FSDP2 layouts are left out: each job's memory report (trainer.memory_report) compiles the whole model,
-    # which FSDP2's per-block sharding refuses, so their terms cannot be measured here yet
-    first = best(search(jobs[2], fsdp=False), jobs[2]).layout
-    layouts = list(LAYOUTS) + ([first] if first not in LAYOUTS else [])
+    jobs = {n: Job(spec, args.batch, args.seq, n, n, hw, hw.memory_gib * GIB, "fp32", (f"model={args.preset}",)) for n in (1, 2, 4)}
     runs = Path(args.runs or tempfile.mkdtemp(prefix="boost-plan-"))
     overrides = [f"model={args.preset}", f"trainer.batch={args.batch}", f"trainer.seq={args.seq}"]
-    measured = plan_measure.measure([_as_measure(lo) for lo in layouts], out_dir=runs, model_overrides=overrides, steps=args.steps,
-                                    warmup=args.warmup)
-    rows = []
-    for lo, meas in zip(layouts, measured, strict=True):
-        n = lo.tp * lo.pp * lo.dp
-        pred = _predicted(jobs[n], lo)
-        row = {"layout": asdict(lo), "label": lo.label(), "processes": n, "predicted": pred, "error": meas["error"],
-               "command": meas["command"]}
-        if not meas["error"]:
-            reports = _rank_reports(meas, lo)
-            row["measured"] = {"ranks": [{k: r.get(k) for k in (*STATE_TERMS, "saved_activations", "peak")} for r in reports],
-                               "step_s": meas["step_s_unprofiled"] or meas["step_s"], "steps_s": meas.get("steady_steps_s") or []}
-            row["errors"] = _errors(pred, row["measured"])
-        rows.append(row)
+    if args.only == "fsdp":
+        return _fsdp_result(args, spec, _measured_rows(list(FSDP_LAYOUTS), jobs, args, runs, overrides))
+    # the ranking, the first choice and the cap stay over the DDP, ZeRO-1 and pipeline layouts they were set for
+    first = best(search(jobs[2], fsdp=False), jobs[2]).layout
+    layouts = list(LAYOUTS) + ([first] if first not in LAYOUTS else []) + list(FSDP_LAYOUTS)
+    rows = _measured_rows(layouts, jobs, args, runs, overrides)
     ok = [r for r in rows if "measured" in r]
-    two = [r for r in ok if r["processes"] == 2]
+    two = [r for r in ok if r["processes"] == 2 and r["layout"]["dp_shard"] == 1]
     tau = kendall_tau([r["predicted"]["step_s"] for r in two], [r["measured"]["step_s"] for r in two])
     best_measured = min(r["measured"]["step_s"] for r in two) if two else float("nan")
     chosen = next((r for r in two if r["layout"] == asdict(first)), None)
@@ -158,11 +210,34 @@ def run(args: argparse.Namespace) -> Result:
     capped_row = next((r for r in ok if r["layout"] == asdict(capped)), None)
     capped_peak = max(r["peak"] for r in capped_row["measured"]["ranks"]) / GIB if capped_row else float("nan")
 
+    lines = _memory_lines(rows, args, spec) + fsdp_lines(rows)
+    lines += [f"Ranking of the {len(two)} two-process layouts without FSDP2: Kendall tau {tau:.2f} (predicted order against measured).",
+              f"The planner's first choice for 2 processes: {first.label()}, measured "
+              + (f"{chosen['measured']['step_s']:.3f} s against the measured best {best_measured:.3f} s." if chosen else "(failed)."),
+              f"Under a cap of {cap_gib * 1024:.0f} MiB (80% of the fastest layout's predicted {fastest.memory_gib * 1024:.0f} MiB) "
+              f"it picks {capped.label()}, measured peak {capped_peak * 1024:.0f} MiB.", ""]
+    lines += published_lines()
+    targets = [
+        *_memory_targets(ok),
+        Target("time: Kendall tau of the two-process layouts", tau, 0.8, True),
+        Target("time: the first choice's measured step / the measured best",
+               chosen["measured"]["step_s"] / best_measured if chosen else float("nan"), 1.10, False),
+        Target("cap: the capped choice's measured peak / the cap", capped_peak / cap_gib, 1.0, False),
+    ]
+    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows, "tau": tau,
+            "first_choice": asdict(first), "cap_gib": cap_gib, "capped_choice": asdict(capped), "capped_peak_gib": capped_peak}
+    return Result("plan", "Layout planner", "\n".join(lines), data, targets)
+
+
+def _memory_lines(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any) -> list[str]:
+    """The memory table: each term predicted / measured, the peak, the step."""
     lines = [
         f"Layout planner against measured runs: {args.preset} (d {spec.dim}, {spec.n_layers} layers, vocab 256), batch "
         f"{args.batch} x seq {args.seq}, fp32, boost (inductor), one thread per process, {args.steps} steps per job "
         f"(the median of steps {args.warmup + 2}-{args.steps - 1}); the "
-        "cpu hardware file. Memory per device in MiB, predicted / measured (error), the worst pipeline rank.",
+        "cpu hardware file. Memory per device in MiB, predicted / measured (error), the worst pipeline rank "
+        "(FSDP2: the rank of the highest peak; its saved activations are the block graphs' and their inputs, "
+        "the head and loss running eagerly outside them).",
         "",
         "| layout | procs | params | grads | optimizer | DDP buckets | saved activations / micro-batch | peak | "
         "step predicted (s) | step measured (s): median (range) |",
@@ -181,25 +256,48 @@ def run(args: argparse.Namespace) -> Result:
         spread = f" ({min(steps):.2f}-{max(steps):.2f})" if len(steps) > 1 else ""
         lines.append(f"| {r['label']} | {r['processes']} | " + " | ".join(cells)
                      + f" | {r['predicted']['step_s']:.3f} | {r['measured']['step_s']:.3f}{spread} |")
-    lines += ["", f"Ranking of the {len(two)} two-process layouts: Kendall tau {tau:.2f} (predicted order against measured).",
-              f"The planner's first choice for 2 processes: {first.label()}, measured "
-              + (f"{chosen['measured']['step_s']:.3f} s against the measured best {best_measured:.3f} s." if chosen else "(failed)."),
-              f"Under a cap of {cap_gib * 1024:.0f} MiB (80% of the fastest layout's predicted {fastest.memory_gib * 1024:.0f} MiB) "
-              f"it picks {capped.label()}, measured peak {capped_peak * 1024:.0f} MiB.", ""]
-    lines += published_lines()
+    return [*lines, ""]
+
+
+def fsdp_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The FSDP2 rows' terms that no tensor accounting measures one by one: the planner's, and the
+    measured peak less the measured params, optimizer state and saved bytes (what the profile saw
+    above those: the gathered weights, the head and loss, gradients and reduce-scatter buffers)."""
+    fsdp = [r for r in rows if r["layout"]["dp_shard"] > 1 and "measured" in r]
+    if not fsdp:
+        return []
+    lines = ["FSDP2 rows, MiB: the planner's terms live at its peak besides the states and saved activations, and their "
+             "sum (the rest) against the measured peak less the measured params, optimizer state and saved "
+             "activations; `end` is the profile's running sum at the step's end (frees it misses).", "",
+             "| layout | head | temporary | gathered | kept | rest: predicted / measured | peak error | end |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in fsdp:
+        p, m, report = r["predicted"]["ranks"][0], r["measured"]["ranks"][0], r["measured"]["reports"][0]
+        rest_p = p["peak"] - p["params"] - p["optimizer"] - p["activations"]
+        rest_m = m["peak"] - m["params"] - m["optimizer"] - m["saved_activations"]
+        cells = [f"{p[t] / MIB:.2f}" for t in FSDP_PREDICTED]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {rest_p / MIB:.2f} / {rest_m / MIB:.2f} | "
+                     f"{(p['peak'] - m['peak']) / m['peak']:+.1%} | {(report.get('end_above_start') or 0) / MIB:.2f} |")
+    return [*lines, ""]
+
+
+def _memory_targets(ok: list[dict[str, Any]]) -> list[Target]:
     worst_term = max((e for r in ok if "errors" in r for t, e in r["errors"].items() if t != "peak"), default=float("nan"))
     worst_peak = max((r["errors"]["peak"] for r in ok if "errors" in r), default=float("nan"))
-    targets = [
+    fsdp_peak = max((r["errors"]["peak"] for r in ok if "errors" in r and r["layout"]["dp_shard"] > 1), default=float("nan"))
+    return [
         Target("memory: the worst term's relative error (states, saved activations)", worst_term, 0.10, False),
         Target("memory: the worst peak's relative error", worst_peak, 0.15, False),
-        Target("time: Kendall tau of the two-process layouts", tau, 0.8, True),
-        Target("time: the first choice's measured step / the measured best",
-               chosen["measured"]["step_s"] / best_measured if chosen else float("nan"), 1.10, False),
-        Target("cap: the capped choice's measured peak / the cap", capped_peak / cap_gib, 1.0, False),
+        Target("memory: the worst FSDP2 peak's relative error", fsdp_peak, 0.10, False),
     ]
-    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows, "tau": tau,
-            "first_choice": asdict(first), "cap_gib": cap_gib, "capped_choice": asdict(capped), "capped_peak_gib": capped_peak}
-    return Result("plan", "Layout planner", "\n".join(lines), data, targets)
+
+
+def _fsdp_result(args: argparse.Namespace, spec: Any, rows: list[dict[str, Any]]) -> Result:
+    """``--only fsdp``: the FSDP2 and HSDP layouts' memory tables and targets (result ``plan-fsdp``)."""
+    ok = [r for r in rows if "measured" in r]
+    data = {"params": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}
+    return Result("plan-fsdp", "Layout planner: FSDP2 memory", "\n".join(_memory_lines(rows, args, spec) + fsdp_lines(rows)),
+                  data, _memory_targets(ok))
 
 
 def published_lines() -> list[str]:
