@@ -11,13 +11,11 @@ decided): a TP group is consecutive ranks, then dp, pp outermost.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import datetime
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,14 +225,13 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
     symbolic (automatic dynamic shapes on a recompile of the same code).
     ``recorder`` (``trainer.memory_report``): the boost backend records each graph
     it compiles there (the partitioned graphs' saved tensors, the calls of each), the compile
-    caches off; by default the one :func:`recording` set (FSDP2's path passes none).
+    caches off.
     """
     passes = tc.passes
     if passes.backend == "none":
         return model
     backend: Any = passes.backend
     options = dict(passes.options) if passes.backend == "boost" else None
-    recorder = recorder if recorder is not None else _RECORDER.get()
     if passes.backend == "boost" and recorder is not None:
         from boost_compile.train.memory_report import recording_backend
 
@@ -250,21 +247,6 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
             log.info("passes.unit=block: compiling the whole model instead (%s)", exc)
     kwargs = {"options": options} if options is not None else {}
     return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic, **kwargs)
-
-
-#: the recorder :func:`compile_model` compiles into when its caller passes none (:func:`recording`)
-_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("boost_compile_recorder", default=None)
-
-
-@contextlib.contextmanager
-def recording(recorder: Recorder | None) -> Iterator[None]:
-    """:func:`compile_model` records into ``recorder`` inside: FSDP2's path builds the model through a
-    function that compiles without one."""
-    token = _RECORDER.set(recorder)
-    try:
-        yield
-    finally:
-        _RECORDER.reset(token)
 
 
 def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:
@@ -372,8 +354,7 @@ def build_model_parts(
         parallelize(model, tc, dev, example)
     cast_weights(model, tc.trainer.precision)
     if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled
-        with recording(recorder):
-            return _fsdp_model_parts(model, tc, dev, before_compile)
+        return _fsdp_model_parts(model, tc, dev, before_compile, recorder)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
@@ -386,12 +367,12 @@ def build_model_parts(
 
 
 def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist,
-                      bind: Callable[[nn.Module], None] | None) -> ModelParts:
+                      bind: Callable[[nn.Module], None] | None, recorder: Recorder | None) -> ModelParts:
     """torchtitan's order: the blocks compiled one by one, then ``fully_shard`` per block and the
     root (train/fsdp.py); the optimizer and a resumed checkpoint bind the sharded parameters."""
     from boost_compile.train.fsdp import shard_model
 
-    compiled = compile_model(model, tc)
+    compiled = compile_model(model, tc, recorder=recorder)
     shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshard_after_forward)
     if bind is not None:
         bind(model)
