@@ -25,6 +25,7 @@ the blocks runs eagerly on the shards with hooks where the whole program would g
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,6 +96,7 @@ def compile_blocks(
         _prepare_tensor_parallel(model, names, backend, options)
     elif _blocks_inner(backend, options) == "inductor":
         _compile_head_loss(model, names)
+    backend, options = _block_graph_backend(backend, options)
     kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if options is not None:
         kwargs["options"] = dict(options)
@@ -196,6 +198,20 @@ def _compile_head_loss(model: nn.Module, blocks: Sequence[str]) -> None:
     head._boost_loss_hook = head.register_forward_hook(
         lambda _m, _a, out: LossLogits.wrap(out, loss) if type(out) is torch.Tensor else out)
     log.info("F.cross_entropy on the logits of %s runs compiled with Inductor", name)
+
+
+def _block_graph_backend(backend: Any, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+    """The boost backend told that each graph is one block (``BoostConfig.block_graph``: full
+    checkpointing keeps the block's input only), by name or as a ``compile_graph`` partial. Other
+    backends, and a wrapped partial (its maker sets the flag), are returned as they are."""
+    if backend == "boost":
+        return backend, {**(options or {}), "block_graph": True}
+    if getattr(backend, "func", None) is _compile_graph():
+        from boost_compile.config import BoostConfig
+
+        config = BoostConfig.from_options(backend.keywords.get("config"))
+        return functools.partial(backend.func, *backend.args, **{**backend.keywords, "config": config.replace(block_graph=True)}), options
+    return backend, options
 
 
 def _unwrapped(backend: Any) -> Any:

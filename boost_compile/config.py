@@ -205,7 +205,9 @@ class BoostConfig:
     ``rmsnorm``: every RMSNorm becomes the fused op (on by default, CUDA graphs).
     ``checkpoint``: activation checkpointing, one of ``CHECKPOINT_MODES`` (off by
     default); ``checkpoint_budget`` is PyTorch's activation memory budget, in
-    [0, 1], used by ``checkpoint="budget"`` only.
+    [0, 1], used by ``checkpoint="budget"`` only. ``block_graph``: the graph is one repeated
+    block compiled alone (``compile_blocks`` sets it): ``checkpoint="full"`` then keeps the
+    block's input and output only, where a whole model's graph tells its blocks by module path.
     ``mode``: torch.compile's mode for the inner Inductor compile, one of ``COMPILE_MODES``,
     with the settings Inductor itself uses for it: "max-autotune" autotunes GEMMs and uses CUDA
     graphs, "max-autotune-no-cudagraphs" the same without CUDA graphs, "reduce-overhead" CUDA
@@ -229,6 +231,7 @@ class BoostConfig:
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     checkpoint: str = "none"
     checkpoint_budget: float = 0.5
+    block_graph: bool = False
     mode: str = "default"
     inductor: dict[str, Any] = field(default_factory=dict)
 

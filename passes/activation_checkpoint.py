@@ -35,7 +35,9 @@ the blocks that are computed from the module's parameters and buffers alone
 ``"full"``: the whole decoder block is recomputed; kept are the stream's source
 and the output of every block (the last stream add inside one ``layers.<i>``
 module, read from ``nn_module_stack``; an add with no module path counts as its
-own block), plus collectives.
+own block), plus collectives. A block compiled alone (``block_graph``, set by
+``compile_blocks``) is one block whatever its adds' paths (they have none: the
+block is the compiled module): its input is kept, the add inside it recomputed.
 
 ``"budget"``: no tags; PyTorch's min-cut partitioner chooses under
 ``torch._functorch.config.activation_memory_budget = checkpoint_budget``.
@@ -132,8 +134,9 @@ class CheckpointPlan:
         return [n for n, p in self.policy.items() if p == RECOMPUTE]
 
 
-def plan_checkpoint(view: GraphView, mode: str) -> CheckpointPlan:
-    """Choose the policy of every node of a differentiated graph (``mode``: lowrank or full)."""
+def plan_checkpoint(view: GraphView, mode: str, block_graph: bool = False) -> CheckpointPlan:
+    """Choose the policy of every node of a differentiated graph (``mode``: lowrank or full;
+    ``block_graph``: the graph is one block compiled alone)."""
     plan = CheckpointPlan(mode)
     graph = view.graph
     stream = view.residual_stream
@@ -154,7 +157,7 @@ def plan_checkpoint(view: GraphView, mode: str) -> CheckpointPlan:
         for i, node in enumerate(stream[1:], start=1):
             nxt = stream[i + 1] if i + 1 < len(stream) else None
             key = plan.block.get(node)
-            if key is None or nxt is None or plan.block.get(nxt) != key:
+            if nxt is None or (not block_graph and (key is None or plan.block.get(nxt) != key)):
                 keep[node] = "block output"
     # collectives everywhere, in every mode: never recomputed
     for node in graph.nodes:
@@ -284,7 +287,8 @@ class CheckpointPass(GraphPass):
         return self.config.checkpoint != "none"
 
     def config_section(self) -> Any:
-        return {"checkpoint": self.config.checkpoint, "budget": self.config.checkpoint_budget}
+        return {"checkpoint": self.config.checkpoint, "budget": self.config.checkpoint_budget,
+                "block_graph": self.config.block_graph}
 
     def run(self, ctx: PassContext) -> PassReport:
         report = PassReport(self.name)
@@ -298,7 +302,7 @@ class CheckpointPass(GraphPass):
         if not ctx.needs_grad():
             report.not_applicable = "graph is not differentiated (no backward to save for)"
             return report
-        plan = plan_checkpoint(ctx.view, mode)
+        plan = plan_checkpoint(ctx.view, mode, self.config.block_graph)
         if plan.reason is not None:
             report.details["reason"] = plan.reason
             return report

@@ -230,14 +230,8 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
     passes = tc.passes
     if passes.backend == "none":
         return model
-    backend: Any = passes.backend
-    options = dict(passes.options) if passes.backend == "boost" else None
-    if passes.backend == "boost" and recorder is not None:
-        from boost_compile.train.memory_report import recording_backend
-
-        config = BoostConfig.from_options(dict(passes.options))
-        backend, options = recording_backend(functools.partial(compile_graph, config=config, recorder=recorder), recorder), None
     if compiles_per_block(tc, model):
+        backend, options = _backend(tc, recorder, block_graph=True)
         try:
             compile_blocks(model, options, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic)
             return model
@@ -245,8 +239,23 @@ def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = N
             if not tensor_parallel(model):
                 raise
             log.info("passes.unit=block: compiling the whole model instead (%s)", exc)
+    backend, options = _backend(tc, recorder)
     kwargs = {"options": options} if options is not None else {}
     return torch.compile(model, backend=backend, fullgraph=passes.fullgraph, dynamic=dynamic, **kwargs)
+
+
+def _backend(tc: TrainConfig, recorder: Recorder | None, block_graph: bool = False) -> tuple[Any, dict[str, Any] | None]:
+    """``passes.backend`` and its options; with a ``recorder``, the boost backend recording into it
+    (its config telling it a graph is one block, ``block_graph``, as compile_blocks would)."""
+    passes = tc.passes
+    if passes.backend != "boost":
+        return passes.backend, None
+    if recorder is None:
+        return passes.backend, dict(passes.options)
+    from boost_compile.train.memory_report import recording_backend
+
+    config = BoostConfig.from_options(dict(passes.options)).replace(block_graph=block_graph)
+    return recording_backend(functools.partial(compile_graph, config=config, recorder=recorder), recorder), None
 
 
 def compiles_per_block(tc: TrainConfig, model: nn.Module) -> bool:

@@ -268,6 +268,32 @@ def test_lowrank_keeps_per_block_what_the_whole_graph_keeps():
     assert any(role.startswith("down") for role, _ in per_block)
 
 
+def test_full_keeps_only_the_blocks_input_per_block():
+    """checkpoint=full on a block compiled alone (BoostConfig.block_graph, set by compile_blocks):
+    the block is recomputed from its input, which the graph keeps as an input; no stream tensor
+    of its own is saved (the add between attention and MLP has no module path in a block graph,
+    and was once kept as a block of its own). The whole model's graph keeps each block's output."""
+    tokens, targets = _batch()
+    block_rec, block_backend = _recorded({"inner": "aot_eager", "checkpoint": "full"})
+    model = _model("tiny")
+    compile_blocks(model, backend=block_backend, fullgraph=True)
+    model(tokens, targets).backward()
+    (part,) = block_rec.graphs[0].partition_reports
+    saved = part.details["saved"]
+    assert [s for s in saved if s["kind"] == "activation"] == [], saved
+    assert sum(1 for s in saved if s["kind"] == "input" and not s["static"]) >= 1  # the block's input
+    whole_rec, whole_backend = _recorded({"inner": "aot_eager", "checkpoint": "full"})
+    torch.compile(_model("tiny"), backend=whole_backend, fullgraph=True)(tokens, targets).backward()
+    (whole,) = whole_rec.graphs[0].partition_reports
+    assert sorted(s["block"] for s in whole.details["saved"] if s["role"] == "block output") == ["layers.0", "layers.1"]
+
+    def compile_fn(m):
+        compile_blocks(m, {"inner": "aot_eager", "checkpoint": "full"})
+        return m
+
+    check_against_eager(_model("tiny", n_layers=3), compile_fn, lambda m, _: m(tokens, targets), what="tiny per block, full")
+
+
 def test_names_and_state_dict_are_unchanged():
     model = _model("tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}
