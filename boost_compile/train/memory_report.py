@@ -24,7 +24,8 @@ figures a layout planner predicts, measured on the real run:
   are the block's own: ``saved_by_block`` is null, ``saved_per_graph`` the bytes one
   call of each graph saves, ``graph_calls`` each graph's calls in the profiled step
   (counted around its compiled forward), ``forwards`` the model's forwards there (its
-  micro-steps), and ``saved_activations`` the sum of bytes times calls per forward: the
+  micro-steps; none with pipeline stages, whose schedule calls the stages, so there
+  ``saved_activations`` is null and the per-graph figures stand), and ``saved_activations`` the sum of bytes times calls per forward: the
   blocks' saved tensors, not those of the embedding, final norm, head and loss, which
   run eagerly (the peak sees them). ``saved_inputs`` (and ``saved_inputs_per_graph``)
   is the same for the graph inputs a block keeps that are not parameters: its input,
