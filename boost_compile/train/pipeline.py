@@ -204,7 +204,7 @@ def _shard_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: Train
     from boost_compile.train.fsdp import shard_model
 
     for i, stage in zip(indices, stages, strict=True):
-        if not isinstance(stage, nn.Module) or hasattr(stage, "_orig_mod"):
+        if compat.is_compiled_module(stage):
             raise ConfigError(f"parallel.dp_shard > 1 with pp: stage {i} was compiled whole; FSDP2 shards stages whose "
                               "blocks are compiled one by one (passes.unit=block)")
         shard_model(stage, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshard_after_forward)
