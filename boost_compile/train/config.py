@@ -124,10 +124,12 @@ class ParallelConfig:
     ``torch.distributed.fsdp.fully_shard`` per block, :mod:`boost_compile.train.fsdp`). Each
     of the ``dp * dp_shard`` data-parallel ranks reads its own share of the batch; ``dp > 1``
     with it is HSDP (``dp`` replicas of a ``dp_shard``-way sharded model)."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     """FSDP2: free each block's gathered weights after its forward and gather them again for its
-    backward (torchtitan's default; ``false`` keeps them, trading memory for one all-gather per
-    block). The root's weights, which the backward needs first, are kept either way."""
+    backward (``false`` keeps them, trading memory for one all-gather per block). The root's
+    weights, which the backward needs first, are kept either way. ``null``: torchtitan's default,
+    true without pipeline stages and false with them (each micro-batch's forward would gather the
+    stage's weights again, and PyTorch's schedule keeps them gathered through the backward anyway)."""
     tp: int = 1
     """Tensor-parallel ranks."""
     plan: Annotated[str, Literal["btp", "megatron", "vanilla", "auto"]] = "auto"
@@ -169,6 +171,11 @@ class ParallelConfig:
     timeout): a hung or lost rank then ends the run, naming the rank and what it waited for,
     and a launcher with restarts (``torchrun --max-restarts``) starts it again. Long enough for
     the slowest rank's first compile and a checkpoint save."""
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """``reshard_after_forward``, its default resolved (see there)."""
+        return self.pp == 1 if self.reshard_after_forward is None else self.reshard_after_forward
 
     @property
     def data_ranks(self) -> int:

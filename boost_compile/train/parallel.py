@@ -382,7 +382,7 @@ def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist,
     from boost_compile.train.fsdp import shard_model
 
     compiled = compile_model(model, tc, recorder=recorder)
-    shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshard_after_forward)
+    shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
     if bind is not None:
         bind(model)
     return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)

@@ -233,6 +233,18 @@ def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
     assert [losses[s] for s in sorted(losses)] == pytest.approx(fsdp2["losses"], abs=1e-6, rel=0)
 
 
+def test_reshard_after_forward_defaults_as_torchtitans():
+    """Unset: true without pipeline stages, false with them (each micro-batch's forward would gather the
+    stage again); set, as set."""
+    def resolved(*overrides: str, world: int = 2) -> bool:
+        tc, _ = validate(cfg_of(*ONE, "parallel=fsdp2", *overrides), world_size=world)
+        return tc.parallel.reshards_after_forward
+
+    assert resolved() is True and resolved("parallel.reshard_after_forward=false") is False
+    assert resolved("parallel.pp=2", world=4) is False
+    assert resolved("parallel.pp=2", "parallel.reshard_after_forward=true", world=4) is True
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (("parallel=fsdp2", "parallel.tp=2", "parallel.plan=vanilla"), "parallel.plan=vanilla's DTensor parameters are not supported"),
     (("parallel=fsdp2", "parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.stages_per_rank=2", "passes=none",
