@@ -60,7 +60,8 @@ LAYOUTS = (
     Layout(1, 1, 2, zero=1),
     Layout(1, 1, 2, checkpoint="lowrank"),
 )
-#: FSDP2 over two processes, resharding after the forward or not, without and with checkpointing; HSDP 2 x 2
+#: FSDP2 over two processes, resharding after the forward or not, without and with checkpointing; HSDP 2 x 2;
+#: two pipeline stages, each sharded over two processes (PP2 x FSDP2 2, 1F1B over 2 micro-batches)
 FSDP_LAYOUTS = (
     Layout(1, 1, 1, dp_shard=2, checkpoint="none"),
     Layout(1, 1, 1, dp_shard=2, checkpoint="none", reshard_after_forward=False),
@@ -68,6 +69,8 @@ FSDP_LAYOUTS = (
     Layout(1, 1, 1, dp_shard=2, checkpoint="lowrank", reshard_after_forward=False),
     Layout(1, 1, 1, dp_shard=2, checkpoint="full"),
     Layout(1, 1, 2, dp_shard=2, checkpoint="none"),
+    Layout(1, 2, 1, microbatches=2, dp_shard=2, checkpoint="none", reshard_after_forward=False),
+    Layout(1, 2, 1, microbatches=2, dp_shard=2, checkpoint="lowrank"),
 )
 STATE_TERMS = ("params", "grads", "optimizer", "dp_buckets")
 #: the planner's FSDP2 terms and transient, and what else is live at its peak, in the FSDP2 table
@@ -147,11 +150,11 @@ def _errors(pred: dict[str, Any], meas: dict[str, Any]) -> dict[str, float]:
 
 def _rank_reports(row: dict[str, Any], lo: Layout) -> list[dict[str, Any]]:
     """One measured report per pipeline rank (ranks are pp-major: the first of each stage's group).
-    FSDP2: the rank of the highest peak (the ranks differ by the few collective buffers whose free
-    the profile misses, see train/memory_report.py)."""
+    FSDP2: each pipeline rank's rank of the highest peak (the ranks differ by the few collective
+    buffers whose free the profile misses, see train/memory_report.py)."""
     group = lo.tp * lo.dp * lo.dp_shard
     if lo.dp_shard > 1:
-        return [max(row["ranks"], key=lambda r: r.get("peak") or 0)]
+        return [max(row["ranks"][r * group:(r + 1) * group], key=lambda x: x.get("peak") or 0) for r in range(lo.pp)]
     return [row["ranks"][r * group] for r in range(lo.pp)]
 
 
@@ -251,6 +254,9 @@ def _memory_lines(rows: list[dict[str, Any]], args: argparse.Namespace, spec: An
         cells = []
         for term in (*STATE_TERMS, "saved_activations", "peak"):
             pv, mv = max(x[term] for x in p), max(x[term] or 0 for x in m)
+            if all(x[term] is None for x in m):  # not measured (saved activations of pipeline stages under FSDP2)
+                cells.append(f"{pv / MIB:.2f} / -")
+                continue
             cells.append(f"{pv / MIB:.2f} / {mv / MIB:.2f} ({r['errors'][term]:+.1%})" if mv or pv else "0 / 0")
         steps = r["measured"].get("steps_s") or []
         spread = f" ({min(steps):.2f}-{max(steps):.2f})" if len(steps) > 1 else ""
@@ -272,12 +278,16 @@ def fsdp_lines(rows: list[dict[str, Any]]) -> list[str]:
              "| layout | head | temporary | gathered | kept | rest: predicted / measured | peak error | end |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in fsdp:
-        p, m, report = r["predicted"]["ranks"][0], r["measured"]["ranks"][0], r["measured"]["reports"][0]
-        rest_p = p["peak"] - p["params"] - p["optimizer"] - p["activations"]
-        rest_m = m["peak"] - m["params"] - m["optimizer"] - m["saved_activations"]
-        cells = [f"{p[t] / MIB:.2f}" for t in FSDP_PREDICTED]
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {rest_p / MIB:.2f} / {rest_m / MIB:.2f} | "
-                     f"{(p['peak'] - m['peak']) / m['peak']:+.1%} | {(report.get('end_above_start') or 0) / MIB:.2f} |")
+        ranks = zip(r["predicted"]["ranks"], r["measured"]["ranks"], r["measured"]["reports"], strict=True)
+        for i, (p, m, report) in enumerate(ranks):
+            stage = f" (pp rank {i})" if r["layout"]["pp"] > 1 else ""
+            rest_p = p["peak"] - p["params"] - p["optimizer"] - p["activations"]
+            # pipeline stages under FSDP2: no saved bytes measured, so no measured rest
+            rest_m = "-" if m["saved_activations"] is None else \
+                f"{(m['peak'] - m['params'] - m['optimizer'] - m['saved_activations']) / MIB:.2f}"
+            cells = [f"{p[t] / MIB:.2f}" for t in FSDP_PREDICTED]
+            lines.append(f"| {r['label']}{stage} | " + " | ".join(cells) + f" | {rest_p / MIB:.2f} / {rest_m} | "
+                         f"{(p['peak'] - m['peak']) / m['peak']:+.1%} | {(report.get('end_above_start') or 0) / MIB:.2f} |")
     return [*lines, ""]
 
 

@@ -49,10 +49,30 @@ in FSDP2's ``param_dtype`` (bf16 under bf16-mixed, else the weights'):
   put cola-60m's FSDP2 2 lowrank peak 6% over the measured one; ``boost-bench plan --only fsdp``).
 
 All four live at the backward; the optimizer step holds only the slices.
+
+FSDP2 under pipeline stages (``pp > 1``): each pipeline rank's stages are sharded on their own
+(``train/pipeline.py``), so the terms count that rank's units: its blocks, the embedding on the
+first stage, the final norm with the head on the last. PyTorch's ``PipelineStage`` runs every
+micro-batch's backward with ``reshard_after_backward`` and gradient sync off and reduce-scatters
+the stage once after the last, so at the backward's peak:
+
+- ``fsdp_gathered``: every block of the rank (gathered from their forward, and from their
+  backward on); with ``reshard_after_forward`` each micro-batch's forward frees them again, so
+  that a backward starts with two (the block computing and the one prefetched) and ends with
+  all, one micro-batch's activations freed: the larger of two blocks and all less those;
+- ``fsdp_kept``: the rank's embedding and norm with head;
+- ``fsdp_accum``: every unit's unsharded gradient, live from the first backward on (in place of
+  a pipeline's early gradients: the sharded ones of the step before were freed at ``zero_grad``);
+- ``temporary``: the backward's as for any pipeline (no reduce-scatter runs in it).
+
+The stage's reduce-scatters after its last backward are a phase of their own (``"reduce"``):
+the FSDP2 terms, the sharded gradients being made and one unit's gradient copy (the largest),
+the activations freed.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from boost_compile.plan.model import ModelSpec, Tensor, fsdp_units, local_numel, stage_blocks
@@ -97,7 +117,7 @@ class Memory:
 
     terms: dict[str, int]
     peak: int
-    #: "backward" or "optimizer": the phase that sets the peak
+    #: "backward", "optimizer" or (FSDP2 under pipeline stages) "reduce": the phase that sets the peak
     peak_at: str
     #: the terms live at the peak (they sum to it): the backward's start holds the activations
     #: and the head, the optimizer step the gradients
@@ -192,26 +212,63 @@ def fsdp_shard(numel: int, dp_shard: int) -> int:
 
 
 def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard_after_forward: bool = True,
-                accumulating: bool = False, vocab_parallel: bool = True) -> tuple[dict[str, int], int]:
+                accumulating: bool = False, vocab_parallel: bool = True,
+                stage: tuple[set[int], bool, bool] | None = None, one_microbatch: int = 0) -> tuple[dict[str, int], int]:
     """FSDP2's :data:`FSDP_TERMS` in bytes, and its backward transient (the largest unit's reduce-scatter input).
 
     Every unit is a TP shard gathered whole over the dp_shard ranks, so that none of these
-    depends on dp_shard (see the module's docstring)."""
-    units = fsdp_units(spec)
-
-    def local(unit_tensors: tuple[Tensor, ...]) -> int:
-        return sum(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in unit_tensors)
-
-    blocks = [local(u.tensors) for u in units if u.kind == "block"]
+    depends on dp_shard (see the module's docstring). ``stage``: a pipeline rank's (its blocks,
+    whether it holds the embedding, the head), whose units are all gathered at the backward with
+    their unsharded gradients, and whose reduce-scatter input is a unit's gradient copy alone;
+    ``one_microbatch``: the bytes one micro-batch saves in the stage (see the module's docstring)."""
+    units = _unit_sizes(spec, plan, tp, vocab_parallel)
+    if stage is not None:
+        blocks_held, first, last = stage
+        held = [(kind, size) for kind, block, size in units if (kind == "block" and block in blocks_held)
+                or (kind == "embed" and first) or (kind == "head" and last)]
+        sizes = [size for _, size in held]
+        blocks = sum(size for kind, size in held if kind == "block")
+        gathered = blocks * prec.gathered
+        if reshard_after_forward:
+            largest = max((size for kind, size in held if kind == "block"), default=0)
+            gathered = max(2 * largest * prec.gathered, gathered - one_microbatch)
+        terms = {
+            "fsdp_gathered": gathered,
+            "fsdp_kept": (sum(sizes) - blocks) * prec.gathered,
+            "fsdp_accum": sum(sizes) * prec.weights,
+        }
+        return terms, max(sizes, default=0) * prec.weights
+    blocks = [size for kind, _, size in units if kind == "block"]
     alive = len(blocks) if not reshard_after_forward else min(2, len(blocks))
-    kept = [u for u in units if u.kind in ("root", "head") or (u.kind == "embed" and not reshard_after_forward)]
-    sizes = [local(u.tensors) for u in units]
+    kept = [size for kind, _, size in units if kind in ("root", "head") or (kind == "embed" and not reshard_after_forward)]
+    sizes = [size for _, _, size in units]
     terms = {
         "fsdp_gathered": alive * max(blocks, default=0) * prec.gathered,
-        "fsdp_kept": sum(local(u.tensors) for u in kept) * prec.gathered,
+        "fsdp_kept": sum(kept) * prec.gathered,
         "fsdp_accum": sum(sizes) * prec.weights if accumulating else 0,
     }
     return terms, max(sizes) * (prec.gathered + prec.weights)
+
+
+@functools.lru_cache(maxsize=256)
+def _local_numels(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tuple[int, ...]:
+    """Each tensor's local elements on one TP rank, in :meth:`ModelSpec.tensors`' order (the search
+    prices thousands of layouts of one spec)."""
+    return tuple(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in spec.tensors())
+
+
+@functools.lru_cache(maxsize=256)
+def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tuple[tuple[str, int, int], ...]:
+    """Each FSDP2 unit's kind, block (-1 outside the blocks) and local elements on one TP rank."""
+    def local(tensors: tuple[Tensor, ...]) -> int:
+        return sum(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in tensors)
+
+    return tuple((u.kind, u.tensors[0].block if u.kind == "block" else -1, local(u.tensors)) for u in fsdp_units(spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_blocks(spec: ModelSpec, stages: int) -> tuple[range, ...]:
+    return tuple(stage_blocks(spec, stages))
 
 
 def memory(
@@ -224,23 +281,23 @@ def memory(
 
     The busiest pipeline rank's (the highest peak), or ``pp_rank``'s. ``accumulating``: ``batch``
     is one micro-step of gradient accumulation, whose backward adds to gradients already live.
-    ``dp_shard > 1``: FSDP2 over that many ranks in each of the ``dp`` replicas (no pipeline).
+    ``dp_shard > 1``: FSDP2 over that many ranks in each of the ``dp`` replicas, each pipeline rank's
+    stages sharded on their own (see the module's docstring).
     """
-    if dp_shard > 1 and pp > 1:
-        raise ValueError("the memory model prices FSDP2 (dp_shard > 1) without pipeline stages (pp = 1)")
     prec = PRECISIONS[precision]
-    stages = stage_blocks(spec, pp * stages_per_rank)
+    stages = _stage_blocks(spec, pp * stages_per_rank)
     replica = batch // (dp * dp_shard)
     m = microbatches if pp > 1 else 1
     tokens = replica // m * seq
     tensors = spec.tensors()
+    local_all = _local_numels(spec, plan, tp, vocab_parallel)
     best: Memory | None = None
     for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
         mine = range(rank, len(stages), pp)  # the indices of this rank's stages
         blocks = {b for i in mine for b in stages[i]}
         first, last = 0 in mine, len(stages) - 1 in mine
-        held = [t for t in tensors if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
-        numels = [local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in held]
+        numels = [k for t, k in zip(tensors, local_all, strict=True)
+                  if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
         if dp_shard > 1:
             numels = [fsdp_shard(k, dp_shard) for k in numels]
         n = sum(numels)
@@ -273,7 +330,8 @@ def memory(
         }
         fsdp, reduce_input = (dict.fromkeys(FSDP_TERMS, 0), 0) if dp_shard == 1 else fsdp_memory(
             spec, plan, tp, prec, reshard_after_forward=reshard_after_forward, accumulating=accumulating,
-            vocab_parallel=vocab_parallel)
+            vocab_parallel=vocab_parallel, stage=(blocks, first, last) if pp > 1 else None,
+            one_microbatch=int(saved_mb + stream_src))
         # the backward recomputes one block at a time: its tensors that checkpointing did not keep
         recompute = 0.0
         if checkpoint != "none" and blocks:
@@ -281,19 +339,22 @@ def memory(
         # a pipeline accumulates every micro-batch's gradients into the stage's: they are live from the
         # first backward on, beside the micro-batches still in flight
         # (so do the micro-steps of gradient accumulation)
-        # (FSDP2 keeps the micro-steps' gradients unsharded instead: fsdp_accum)
-        early_grads = terms["grads"] if pp > 1 or (accumulating and dp_shard == 1) else 0
+        # (FSDP2 keeps them unsharded instead, the sharded ones freed at zero_grad: fsdp_accum)
+        early_grads = terms["grads"] if dp_shard == 1 and (pp > 1 or accumulating) else 0
         # FSDP2 reduce-scatters a unit's gradients once its backward has ended, when the tensors it
-        # recomputed are freed: the larger of the two, not both (0 reduce input without FSDP2)
-        block_temp = max(recompute, reduce_input)
+        # recomputed are freed: the larger of the two, not both (0 reduce input without FSDP2); under
+        # a pipeline the stage reduce-scatters at the step's end, after every backward (phase "reduce")
+        piped_fsdp = dp_shard > 1 and pp > 1
+        block_temp = recompute if piped_fsdp else max(recompute, reduce_input)
         backward = (terms["activations"] + terms["head"] + head_temp + block_temp + early_grads + sum(fsdp.values()))
+        at_reduce = terms["grads"] + reduce_input + sum(fsdp.values()) if piped_fsdp else 0
         at_optimizer = terms["grads"] + update
-        phase = "backward" if backward >= at_optimizer else "optimizer"
-        terms["temporary"] = int(head_temp + block_temp if phase == "backward" else update)
+        phase = max((backward, "backward"), (at_reduce, "reduce"), (at_optimizer, "optimizer"), key=lambda x: x[0])[1]
+        terms["temporary"] = int({"backward": head_temp + block_temp, "reduce": reduce_input, "optimizer": update}[phase])
         terms.update(fsdp)
-        live = ("params", "optimizer", "dp_buckets", "temporary") + (
-            ("activations", "head") + (("grads",) if early_grads else ()) + (FSDP_TERMS if dp_shard > 1 else ())
-            if phase == "backward" else ("grads",))
+        live = ("params", "optimizer", "dp_buckets", "temporary") + {
+            "backward": ("activations", "head") + (("grads",) if early_grads else ()) + (FSDP_TERMS if dp_shard > 1 else ()),
+            "reduce": ("grads", *FSDP_TERMS), "optimizer": ("grads",)}[phase]
         mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
                      {"tokens_per_microbatch": tokens, "pp_rank": rank, "loss_per_microbatch": loss_mb,
                       "saved_per_microbatch": saved_mb + stream_src + head_mb})

@@ -2,8 +2,8 @@
 
 :func:`search` enumerates the layouts boost-train accepts for a model on ``devices``
 (tp within a node and dividing heads, kv-heads, d and d_ff; pp dividing the rest
-and at most the blocks; dp the remainder, dividing the batch; or, without a pipeline,
-FSDP2 and HSDP: the remainder cut into dp replicas of dp_shard ranks), prices each with
+and at most the blocks; dp the remainder, dividing the batch; or FSDP2 and HSDP: the
+remainder cut into dp replicas of dp_shard ranks, with or without pipeline stages), prices each with
 the time model (:mod:`boost_compile.plan.timing`) and the memory model
 (:mod:`boost_compile.plan.memory`), drops what does not fit and sorts the rest,
 fastest first (then the least memory). :func:`refusal` says why nothing fits and
@@ -178,6 +178,8 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
                 for zero in (0, 1) if dp > 1 else (0,):
                     for ck in checkpoints:
                         yield from _pipelines(Layout(tp, pp, dp, zero, 1, "1f1b", ck, plan), replica, spec.n_layers)
+            if fsdp and pp > 1:
+                yield from _piped_sharded(job, tp, pp, plans, checkpoints)
         if fsdp:
             yield from _sharded(job, tp, plans, checkpoints)
 
@@ -197,6 +199,22 @@ def _sharded(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, 
                 for ck in checkpoints:
                     yield Layout(tp, 1, data // dp_shard, 0, 1, "1f1b", ck, plan, dp_shard=dp_shard,
                                  reshard_after_forward=reshard)
+
+
+def _piped_sharded(job: Job, tp: int, pp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
+    """Pipeline stages under FSDP2 and HSDP: the ``pp`` stages' ranks cut into dp replicas of dp_shard > 1.
+
+    The pipelines' schedules (zero_bubble, which boost-train refuses with FSDP2, is not among
+    them), ``reshard_after_forward`` false only: boost-train's default with pp, and since the
+    ``PipelineStage`` keeps every unit gathered from its first backward on, true would gather
+    each micro-batch again to save memory only in the warm-up's forwards, which the planner
+    does not price (plan.memory)."""
+    data = job.devices // tp // pp
+    for dp_shard in divisors(data)[1:]:
+        for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:
+            for ck in checkpoints:
+                base = Layout(tp, pp, data // dp_shard, 0, 1, "1f1b", ck, plan, dp_shard=dp_shard, reshard_after_forward=False)
+                yield from _pipelines(base, job.batch // data, job.spec.n_layers)
 
 
 def _pipelines(base: Layout, replica: int, n_layers: int) -> Iterator[Layout]:

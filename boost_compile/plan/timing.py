@@ -66,6 +66,16 @@ mode, ZeRO and a schedule; this module adds what each costs:
   passes over G_u) and the reduce-scatter's copy-in (G_u read, R_u written), at the
   elementwise rate, exposed. Under gradient accumulation the micro-steps before the last
   gather but do not reduce: the reduce-scatters' share and the optimizer are paid once.
+- **FSDP2 under pipeline stages** (``pp > 1``, ``dp_shard = n > 1``; :func:`fsdp_pipeline_time`):
+  the pipeline's step for ``dp * n`` data ranks, less its DDP all-reduce (and the share of it
+  hidden) and ``1 - 1/n`` of its optimizer, plus the collectives of the busiest rank's units (its
+  blocks and the larger of the embedding and the head). PyTorch's ``PipelineStage`` keeps every
+  unit gathered and its gradients unsharded from its first backward to the step's end, then
+  reduce-scatters the whole stage at once: with ``reshard_after_forward=false`` each unit is
+  gathered once a step (in the first micro-batch's forward, prefetched as above); with true each
+  micro-batch's forward gathers it again, and so may the backward after it (2 m gathers: an upper
+  bound). The reduce-scatters (and HSDP's all-reduces) run after the last backward with nothing to
+  hide behind: all exposed, as are the copies.
 """
 
 from __future__ import annotations
@@ -128,11 +138,15 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
               reshard_after_forward: bool = True, shard_across_nodes: bool = False) -> StepTime:
     """The step of one layout: :func:`scale_model.predict` and the terms above.
 
-    ``dp_shard > 1``: FSDP2 (``pp = 1``); ``dp_across_nodes`` then says whether HSDP's replica
+    ``dp_shard > 1``: FSDP2 (:func:`fsdp_pipeline_time` with ``pp > 1``); ``dp_across_nodes`` then says whether HSDP's replica
     all-reduce, and ``shard_across_nodes`` whether the shard group's ring, crosses nodes."""
     if dp_shard > 1:
         if pp > 1:
-            raise ValueError("the time model prices FSDP2 (dp_shard > 1) without pipeline stages (pp = 1)")
+            return fsdp_pipeline_time(shape, plan, tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, microbatches=microbatches,
+                                      schedule=schedule, stages_per_rank=stages_per_rank, checkpoint=checkpoint, hw=hw,
+                                      wl=wl, param_bytes=param_bytes, head=head, reshard_after_forward=reshard_after_forward,
+                                      shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes,
+                                      p2p_across_nodes=p2p_across_nodes)
         return fsdp_step_time(shape, plan, tp=tp, dp=dp, dp_shard=dp_shard, checkpoint=checkpoint, hw=hw, wl=wl,
                               param_bytes=param_bytes, head=head, reshard_after_forward=reshard_after_forward,
                               shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes)
@@ -210,10 +224,7 @@ def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: in
     layer = sm.layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
     top = sm.head_cost(system, shape, mb * wl.seq, tp, hw, wl, head)
     layer_c, head_c = layer.gemm_s + layer.attention_s + layer.elementwise_s, top.gemm_s + top.elementwise_s
-    shard_hw = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) \
-        if shard_across_nodes and hw.internode_bus_bandwidth else hw
-    replica_hw = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) \
-        if replica_across_nodes and hw.internode_bus_bandwidth else hw
+    shard_hw, replica_hw = _fsdp_links(hw, shard_across_nodes, replica_across_nodes)
     e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
     order = [e_p] + [b_p] * layers + [h_p]  # the forward's units
     ag = [sm.allgather_time(1, p * wl.dtype_bytes, n, shard_hw) for p in order]
@@ -234,6 +245,44 @@ def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: in
     total = pred.iteration_s - pred.dp_s - pred.optimizer_s + optimizer_s + recompute_s + fsdp_s
     once_s = optimizer_s + backward - keep + copy_reduce
     return StepTime(total, pred.iteration_s, recompute_s, 0.0, 0.0, 0.0, pred, 0.0, fsdp_s, once_s)
+
+
+def _fsdp_links(hw: Hardware, shard_across_nodes: bool, replica_across_nodes: bool) -> tuple[Hardware, Hardware]:
+    """The hardware of the shard group's ring and of HSDP's replica all-reduce: internode links where they cross nodes."""
+    slow = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) if hw.internode_bus_bandwidth else hw
+    return (slow if shard_across_nodes else hw), (slow if replica_across_nodes else hw)
+
+
+def fsdp_pipeline_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, dp_shard: int, microbatches: int,
+                       schedule: str, stages_per_rank: int, checkpoint: str, hw: Hardware, wl: sm.Workload,
+                       param_bytes: int, head: str = sm.DEFAULT_HEAD, reshard_after_forward: bool = False,
+                       shard_across_nodes: bool = False, replica_across_nodes: bool = False,
+                       p2p_across_nodes: bool = False) -> StepTime:
+    """The step of pipeline stages under FSDP2 or HSDP (see the module's docstring): the gathers
+    prefetched behind a micro-batch's forward, the stage's reduce-scatters at the step's end unhidden."""
+    system, n, m = SYSTEMS[plan], dp_shard, microbatches
+    base = step_time(shape, plan, tp=tp, pp=pp, dp=dp * n, microbatches=m, schedule=schedule,
+                     stages_per_rank=stages_per_rank, checkpoint=checkpoint, zero=0, hw=hw, wl=wl,
+                     param_bytes=param_bytes, head=head, p2p_across_nodes=p2p_across_nodes)
+    pred = base.prediction
+    shard_hw, replica_hw = _fsdp_links(hw, shard_across_nodes, replica_across_nodes)
+    e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
+    layers = max(sm.stage_layers(shape.layers, pp))
+    units = [max(e_p, h_p)] + [b_p] * layers  # the busiest rank's, in its forward's order
+    layer = sm.layer_cost(system, shape, wl.batch // (dp * n) // m, wl.seq, tp, hw, wl)
+    forward_c = [0.0] + [(layer.gemm_s + layer.attention_s + layer.elementwise_s) / 3] * layers
+    ag = [sm.allgather_time(1, p * wl.dtype_bytes, n, shard_hw) for p in units]
+    rs = [sm.allgather_time(1, p * param_bytes, n, shard_hw) + sm.allreduce_time(1, p * param_bytes / n, dp, replica_hw)
+          for p in units]
+    gathers = 2 * m if reshard_after_forward else 1
+    gather_s = gathers * fsdp_pass(ag, [0.0] * len(units), forward_c, hw.dp_overlap)
+    reduce_s = sum(rs)
+    copy_gather = sm.elementwise_time(2 * wl.dtype_bytes * sum(units) * gathers, hw)
+    copy_reduce = sm.elementwise_time((wl.dtype_bytes + param_bytes) * sum(units), hw)
+    fsdp_s = gather_s + reduce_s + copy_gather + copy_reduce
+    optimizer_s = pred.optimizer_s / n
+    total = base.step_s - pred.dp_s - base.overlap_s - (pred.optimizer_s - optimizer_s) + fsdp_s
+    return replace(base, step_s=total, overlap_s=0.0, fsdp_s=fsdp_s, once_s=optimizer_s + reduce_s + copy_reduce)
 
 
 def dp_overlap(pred: sm.Prediction, layers: int, recompute_s: float, internode_s: float, hw: Hardware,

@@ -16,7 +16,7 @@ from boost_compile.costmodel.hardware import load_hardware
 from boost_compile.plan import cli
 from boost_compile.plan.memory import memory
 from boost_compile.plan.model import from_preset, preset_args
-from boost_compile.plan.search import Job, Layout, best, layouts, price, search
+from boost_compile.plan.search import SCHEDULES, Job, Layout, best, layouts, price, search
 from boost_compile.plan.timing import step_time
 
 GIB = 2**30
@@ -108,9 +108,62 @@ def test_the_reduce_scatter_input_is_not_live_with_the_block_being_recomputed():
     assert lowrank.terms["temporary"] < ddp_lowrank.terms["temporary"] + none.terms["temporary"]
 
 
-def test_pipelines_are_not_priced_with_fsdp2():
-    with pytest.raises(ValueError, match="pp = 1"):
-        mem(from_preset("tiny"), tp=1, dp=1, dp_shard=2, **{**BASE, "pp": 2, "microbatches": 2})
+PIPED = {"tp": 1, "dp": 1, "dp_shard": 4, "pp": 2, "microbatches": 2, "reshard_after_forward": False}
+
+
+def test_a_pipeline_rank_under_fsdp2_holds_its_stages_units_gathered_with_their_gradients():
+    """PipelineStage keeps each unit gathered and its gradients unsharded from its first backward on:
+    at the backward a rank holds its stage's blocks, the embedding (first stage) or the norm and
+    head (last), gathered in bf16, and their fp32 gradients; the sharded ones were freed at zero_grad."""
+    spec = from_preset("cola-7b")
+    block, _, _ = cola_7b()
+    d, vocab, fp32, bf16 = 4096, 32000, 4, 2
+    blocks = 16  # 32 blocks cut in two by parameters: the embedding weighs what the norm and head do
+    stage = {0: blocks * block + vocab * d, 1: blocks * block + vocab * d + d}
+    outside = {0: vocab * d, 1: vocab * d + d}
+    for rank in (0, 1):
+        m = mem(spec, **PIPED, pp_rank=rank)
+        assert m.terms["params"] == m.terms["grads"] == stage[rank] // 4 * fp32  # every width divides by 4
+        assert m.terms["optimizer"] == 2 * stage[rank] // 4 * fp32 and m.terms["dp_buckets"] == 0
+        assert m.terms["fsdp_gathered"] == blocks * block * bf16
+        assert m.terms["fsdp_kept"] == outside[rank] * bf16
+        assert m.terms["fsdp_accum"] == stage[rank] * fp32
+        assert m.peak_at == "backward" and "grads" not in m.live and {"fsdp_gathered", "fsdp_accum"} <= set(m.live)
+        assert m.peak == sum(m.terms[t] for t in m.live)
+        # the activations of the pipeline over 4 DDP replicas; the last stage's logits and their gradient
+        # (fp32, 16 / 4 / 2 sequences of 512 tokens) the backward's only transient without checkpointing
+        assert m.terms["activations"] == mem(spec, tp=1, dp=4, pp=2, microbatches=2, pp_rank=rank).terms["activations"]
+        assert m.terms["temporary"] == (2 * 2 * 512 * vocab * fp32 if rank else 0)
+        assert m.peak == (3 * stage[rank] // 4 * fp32 + m.terms["activations"] + m.terms["head"]
+                          + m.terms["temporary"] + stage[rank] * (bf16 + fp32))
+        # resharding after each forward: a backward starts with two blocks gathered (one micro-batch's
+        # activations, 1024 tokens through 16 blocks, outweigh the 16 gathered blocks freed by its end)
+        resharded = mem(spec, **{**PIPED, "reshard_after_forward": True}, pp_rank=rank)
+        assert resharded.terms["fsdp_gathered"] == 2 * block * bf16
+        assert m.peak - resharded.peak == (blocks - 2) * block * bf16
+
+
+def test_resharded_stages_end_their_backward_with_every_block_gathered():
+    """With few activations, the end of a backward (every block gathered again, one micro-batch freed)
+    outweighs its start (two blocks gathered)."""
+    spec = from_preset("cola-7b")
+    block, _, _ = cola_7b()
+    short = {**PIPED, "reshard_after_forward": True, "pp_rank": 0, "seq": 32, "checkpoint": "full"}
+    m = mem(spec, **short)
+    one_microbatch = m.terms["activations"] / m.in_flight  # in flight: the 2 micro-batches of 1F1B's first stage
+    assert m.in_flight == 2 and one_microbatch < 14 * block * 2
+    assert m.terms["fsdp_gathered"] == pytest.approx(16 * block * 2 - one_microbatch, abs=2)
+
+
+def test_a_pipeline_stage_reduce_scatters_after_its_last_backward():
+    """With next to no activations the step's end sets the peak: every unit still gathered, the
+    sharded gradients being made and one unit's fp32 gradient copied for its reduce-scatter."""
+    spec = from_preset("cola-7b")
+    d, vocab = 4096, 32000
+    m = mem(spec, **PIPED, pp_rank=0, batch=4, seq=8, checkpoint="full")
+    assert m.peak_at == "reduce" and "activations" not in m.live and "grads" in m.live
+    assert m.terms["temporary"] == vocab * d * 4  # the embedding, the rank's largest unit
+    assert m.peak == sum(m.terms[t] for t in m.live)
 
 
 # ----------------------------------------------------------------------------- time
@@ -156,6 +209,32 @@ def test_the_backward_hides_the_collectives_behind_the_blocks():
     assert fsdp_time(gpu, shard_across_nodes=True).fsdp_s > hidden.fsdp_s  # the ring at the network's rate
 
 
+def test_a_pipeline_stage_gathers_once_and_reduce_scatters_unhidden():
+    """PP2 x FSDP2 2, 1F1B over 2 micro-batches: each unit of the busiest rank (its 4 blocks and the
+    head, the larger of the embedding and the head) gathered once, reduce-scattered at the end."""
+    hw = replace(load_hardware("a100-80gb-nvlink"), dp_overlap=0.0)
+    d, ff, r, vocab = 512, 1376, 128, 32000
+    units = [vocab * d + d] + [cola_block(d, ff, r)] * 4
+    spec = from_preset("cola-60m")
+    wl = sm.Workload(seq=256, batch=8, dtype_bytes=2)
+
+    def piped(**kw):
+        return step_time(spec.scale_shape(), "btp", tp=1, pp=2, microbatches=2, schedule="1f1b", stages_per_rank=1,
+                         checkpoint="none", zero=0, hw=hw, wl=wl, param_bytes=4, **kw)
+
+    gathers = sum(ring(2 * p, 2, hw) for p in units)
+    reduces = sum(ring(4 * p, 2, hw) for p in units)
+    copies = sm.elementwise_time(2 * 2 * sum(units), hw) + sm.elementwise_time(6 * sum(units), hw)
+    t, ddp = piped(dp=1, dp_shard=2, reshard_after_forward=False), piped(dp=2)
+    assert t.fsdp_s == pytest.approx(gathers + reduces + copies)
+    assert t.step_s == pytest.approx(ddp.step_s - ddp.prediction.dp_s - ddp.overlap_s - ddp.prediction.optimizer_s / 2
+                                     + t.fsdp_s)
+    assert t.once_s == pytest.approx(ddp.prediction.optimizer_s / 2 + reduces + sm.elementwise_time(6 * sum(units), hw))
+    # resharding after each forward: 2 m gathers (every forward, and the backward after it) instead of 1
+    resharded = piped(dp=1, dp_shard=2, reshard_after_forward=True)
+    assert resharded.fsdp_s - t.fsdp_s == pytest.approx(3 * (gathers + sm.elementwise_time(4 * sum(units), hw)))
+
+
 # ----------------------------------------------------------------------------- the search
 
 
@@ -168,12 +247,36 @@ def job(name: str = "cola-60m", devices: int = 8, batch: int = 16, seq: int = 25
 def test_the_search_has_every_fsdp2_and_hsdp_factorization():
     j = job()
     found = list(layouts(j))
-    sharded = [lo for lo in found if lo.dp_shard > 1]
+    sharded = [lo for lo in found if lo.dp_shard > 1 and lo.pp == 1]
     assert {(lo.tp, lo.dp, lo.dp_shard) for lo in sharded} == {
         (tp, 8 // tp // s, s) for tp in (1, 2, 4, 8) for s in (2, 4, 8) if 8 // tp % s == 0}
-    assert all(lo.pp == 1 and lo.zero == 0 and lo.plan == "btp" for lo in sharded)  # vanilla: DTensor parameters
+    assert all(lo.zero == 0 and lo.plan == "btp" for lo in sharded)  # vanilla: DTensor parameters
     assert {lo.reshard_after_forward for lo in sharded} == {True, False}
+    piped = [lo for lo in found if lo.dp_shard > 1 and lo.pp > 1]
+    assert {(lo.tp, lo.pp, lo.dp, lo.dp_shard) for lo in piped} == {
+        (tp, pp, 8 // tp // pp // s, s) for tp in (1, 2, 4) for pp in (2, 4) for s in (2, 4) if 8 % (tp * pp * s) == 0}
+    assert all(lo.zero == 0 and lo.plan == "btp" and not lo.reshard_after_forward for lo in piped)
+    assert {lo.schedule for lo in piped} == set(SCHEDULES)
     assert [lo for lo in found if lo.dp_shard == 1] == list(layouts(j, fsdp=False))  # the others as before
+
+
+def test_the_search_ranks_pipelines_under_fsdp2_with_commands_boost_train_accepts():
+    from conftest import cfg_of
+
+    from boost_compile.train.validate import validate
+
+    j = job()
+    rows = search(j)
+    piped = [r for r in rows if r.layout.pp > 1 and r.layout.dp_shard > 1]
+    assert piped and all(r.fits for r in piped)
+    fitting = [r for r in rows if r.fits]
+    assert fitting.index(piped[0]) < len(fitting) - len(piped)  # ranked among the others, not after them
+    chosen = [next(r for r in piped if r.layout.schedule == schedule) for schedule in SCHEDULES]
+    for row in [*chosen, next(r for r in piped if r.layout.dp > 1)]:  # each schedule, and HSDP
+        args = row.command.split(" -m boost_compile.train ")[1].split()
+        assert {f"parallel.pp={row.layout.pp}", f"parallel.dp={row.layout.dp}", f"parallel.dp_shard={row.layout.dp_shard}",
+                "parallel.reshard_after_forward=false", f"parallel.pp_schedule={row.layout.schedule}"} <= set(args)
+        validate(cfg_of(*args), world_size=8)
 
 
 def test_a_cap_under_ddp_and_zero1_ranks_fsdp2_first():
