@@ -26,7 +26,7 @@ being recomputed; under a pipeline also the gradients, which the micro-batches
 accumulate into from the first backward on) and the optimizer step (gradients and the update's temporary): the sum of the terms live
 then (:attr:`Memory.live`). ``temporary`` is the transient of that phase.
 
-FSDP2 (``dp_shard > 1``, HSDP with ``dp > 1``; no pipeline): boost-train's units
+FSDP2 (``dp_shard > 1``, HSDP with ``dp > 1``; pipeline stages below): boost-train's units
 (:func:`boost_compile.plan.model.fsdp_units`: the embedding, each block, the final norm
 with the head, the root) are cut over the ``dp_shard`` ranks, each rank holding a
 ``1 / dp_shard`` slice of every TP shard (rounded up), so that ``params``, ``grads`` and
