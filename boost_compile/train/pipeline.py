@@ -259,16 +259,18 @@ def build_pipeline_parts(
         _parallelize_stages(stages, indices, tc, dev, micro_batch)
     for stage in stages:
         cast_weights(stage, tr.precision)
-    if dev.dp_shard == 1:
+    def bind() -> StageParameters:
         holder = StageParameters(stages, prefix)
         if before_compile is not None:
             before_compile(holder)
+        return holder
+
+    fsdp = dev.dp_shard > 1  # FSDP2: the stages' parameters are final once sharded, after the blocks compile
+    holder = None if fsdp else bind()
     compiled = [compile_model(stage, tc, dynamic=False, recorder=recorder) for stage in stages]
-    if dev.dp_shard > 1:  # FSDP2: each stage's blocks sharded after they are compiled; the optimizer binds the shards
+    if fsdp:
         _shard_stages(compiled, indices, tc, dev)
-        holder = StageParameters(stages, prefix)
-        if before_compile is not None:
-            before_compile(holder)
+        holder = bind()
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     loss = loss_fn
     if dev.tp > 1 and num_stages - 1 in indices:
