@@ -147,7 +147,7 @@ class _Localizer(ShapeRules):
         self.group, self.world, self.rank = first.group_name, first.world, first.rank
         self.place: dict[fx.Node, Any] = {}
         self.full = {n: _shape_of(n) for n in self.graph.nodes}
-        self.scattered: dict[fx.Node, fx.Node] = {}
+        self.scattered: dict[tuple[fx.Node, int], fx.Node] = {}  # (whole tensor, dim) -> this rank's slice
         self.narrowed: dict[tuple[fx.Node, int], fx.Node] = {}  # a replicated expand, expanded to this rank's part
         self.gathered: dict[fx.Node, fx.Node] = {}
         self.repairs: list[str] = []
@@ -155,6 +155,8 @@ class _Localizer(ShapeRules):
         self.vocab: set[fx.Node] = set()  # sharded on the vocabulary: the head's output and what follows it
         self.vocab_losses = 0
         self.sharded_norms: list[fx.Node] = []
+        self.col_inputs: set[fx.Node] = set()  # column-parallel GEMMs: tp_collectives sums their input's gradient
+        self.partial_sums: dict[fx.Node, fx.Node] = {}  # a replicated tensor -> its copy_to_tp for sharded consumers
         view = GraphView(self.gm, ctx.example_inputs, ctx.config.analysis)
         self.site_of: dict[fx.Node, RMSNormSite | LayerNormSite] = {}
         for site in view.norms:
@@ -191,6 +193,7 @@ class _Localizer(ShapeRules):
             node.meta[PLACEMENT_KEY] = self.place[node]
             self._track_vocab(node)
         self._rank_local_dropout()
+        self._sum_partial_gradients()
         self._remove_full_views()
         # by name: a graph put back by verify is a copy, whose nodes are new objects of the same names
         self.gm.meta[SHARDED_NORMS_KEY] = [n.name for n in self.sharded_norms]
@@ -463,6 +466,9 @@ class _Localizer(ShapeRules):
                 continue
             xd = od - (nd - len(self.full[x]))
             if xd >= 0 and not is_one(self.full[x][xd]):
+                if sections:
+                    self._refuse(node, f"a replicated input {x.name} {self._shape_str(x)} meets a fused output cut part "
+                                 f"by part (parts {list(sections)}); its slice would not match", "split the fused output first")
                 self._scatter_input(node, x, xd)
         return Sharded(od, sections)
 
@@ -523,19 +529,23 @@ class _Localizer(ShapeRules):
 
     def _scatter_input(self, node: fx.Node, x: fx.Node, dim: int) -> None:
         """``x`` is whole on every rank but ``node`` combines it with a sharded tensor: take this rank's slice."""
-        if dim != len(self.full[x]) - 1 and self._expand_to_local(node, x, dim):
+        last = len(self.full[x]) - 1
+        if dim != last and self._expand_to_local(node, x, dim):
             return
-        if dim != len(self.full[x]) - 1:
-            self._refuse(node, f"a replicated input {x.name} {self._shape_str(x)} would have to be sliced on dim {dim}, not the last", "")
-        if x not in self.scattered:
+        if hint(self.full[x][dim]) % self.world:
+            self._refuse(node, f"a replicated input {x.name} {self._shape_str(x)} would have to be sliced on dim {dim}, "
+                         f"which the TP degree {self.world} does not divide", WHOLE_HEADS)
+        key = (x, dim)
+        if key not in self.scattered:
+            args = (x, self.group, self.world, self.rank) + (() if dim == last else (dim,))
             with self.graph.inserting_after(x):
-                self.scattered[x] = self.graph.call_function(scatter_to_tp, (x, self.group, self.world, self.rank))
-            self.place[self.scattered[x]] = Sharded(dim)
-            self.scattered[x].meta[PLACEMENT_KEY] = Sharded(dim)
-            self.full[self.scattered[x]] = self.full[x]  # the same whole tensor, now held in slices
+                self.scattered[key] = self.graph.call_function(scatter_to_tp, args)
+            self.place[self.scattered[key]] = Sharded(dim)
+            self.scattered[key].meta[PLACEMENT_KEY] = Sharded(dim)
+            self.full[self.scattered[key]] = self.full[x]  # the same whole tensor, now held in slices
             self.repairs.append(f"scatter {x.name} {self._shape_str(x)} -> this rank's slice of dim {dim} "
                                 f"(replicated value entering a sharded op at {self._where(node)})")
-        node.replace_input_with(x, self.scattered[x])
+        node.replace_input_with(x, self.scattered[key])
 
     def _gather_input(self, node: fx.Node, x: fx.Node, why: str = "") -> None:
         """``x`` is sharded but ``node`` needs it whole: all-gather it (and drop any padding)."""
@@ -591,6 +601,7 @@ class _Localizer(ShapeRules):
             if xp is not None:
                 self._refuse(node, f"the input of column-parallel {self._param(spec, wnode)} is already sharded (dim {xp.dim})",
                              "a column-parallel GEMM needs its whole input; the plan's roles do not fit this model's data flow")
+            self.col_inputs.add(node)
             return Sharded(last, spec.sections)
         self._refuse(node, f"a GEMM against a parameter sharded as {spec.role!r}", "")
 
@@ -671,6 +682,52 @@ class _Localizer(ShapeRules):
                 node.target = tp_random.tp_attention_dropout
                 node.args, node.kwargs = (*node.args[:3], *extra, seed, self.rank, site), {}
             self.repairs.append(f"rank-local dropout ({kind}, p={p}) at {node.name}: this rank's own stream, site {site}")
+
+    def _sum_partial_gradients(self) -> None:
+        """A replicated tensor read whole by an op whose output is sharded gets a partial gradient.
+
+        Each rank computes its slice of the op's output from the whole tensor, so each rank's
+        gradient of it covers that slice alone; the unsharded model's gradient is their sum.
+        Qwen3's ``q_norm`` weight, one per head_dim and shared by every head, scales this rank's
+        heads only::
+
+            q = q_heads * w              # q_heads [B, T, H/p, hd] sharded on heads, w [hd] whole
+            q = q_heads * copy_to_tp(w)  # identity forward; w's gradient summed over the group
+
+        The same holds for a per-head bias broadcast over sharded heads, a replicated weight
+        applied to each rank's heads, an attention bias or mask that needs a gradient. The
+        placements say where it happens: a tensor placed replicated that needs a gradient,
+        read by a node placed sharded, not sliced on the way (a sliced one gets ``scatter_to_tp``,
+        whose backward gathers) and not the input of a column-parallel GEMM (``tp_collectives``
+        sums that one, hoisted to where the latent's uses meet). One ``copy_to_tp`` per tensor
+        serves all its sharded readers: their partial gradients are summed once."""
+        if not self.ctx.grad_enabled:
+            return
+        skip_nodes = {n for site_out in self.sharded_norms for n in self.site_of[site_out].nodes} if self.sharded_norms else set()
+        for node in list(self.graph.nodes):
+            if node.op not in ("call_function", "call_method") or not self._sharded(node) or node in skip_nodes:
+                continue
+            if node.target in (scatter_to_tp, gather_from_tp, copy_to_tp) or is_full_view(node) or any(
+                    is_custom_op(node, m) for m in ("tp_stream_in", "tp_stream_out", "tp_vocab_out")):
+                continue  # their own backward is the collective; a marker reads this rank's shard or slice
+            inputs = _tensor_inputs(node)
+            if node.op == "call_method" and node.target in FIRST_ARG_ONLY:
+                inputs = inputs[:1]  # the others lend a dtype or a shape, no gradient
+            for x in inputs:
+                if self._sharded(x) or not _needs_grad(x) or (x.op == "call_function" and x.target is copy_to_tp):
+                    continue
+                if node in self.col_inputs and x is _gemm_input(node):
+                    continue
+                if x not in self.partial_sums:
+                    with self.graph.inserting_after(x):
+                        summed = self.graph.call_function(copy_to_tp, (x, self.group))
+                    summed.meta = {k: v for k, v in x.meta.items() if k != PLACEMENT_KEY}
+                    summed.meta[PLACEMENT_KEY] = None
+                    self.place[summed], self.full[summed] = None, self.full.get(x)
+                    self.partial_sums[x] = summed
+                    self.repairs.append(f"sum the gradient of {x.name} {self._shape_str(x)} over the group: "
+                                        f"replicated, read whole by {self._where(node)} whose output is sharded")
+                node.replace_input_with(x, self.partial_sums[x])
 
     def _sdpa(self, node: fx.Node) -> Placement:
         q, k, v = node.args[:3]
@@ -883,6 +940,16 @@ def _dropout_args(node: fx.Node) -> tuple[float, bool, bool]:
     training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
     inplace = node.kwargs.get("inplace", node.args[3] if len(node.args) > 3 else False)
     return float(p), bool(training), bool(inplace)
+
+
+def _needs_grad(node: fx.Node) -> bool:
+    val = node.meta.get("example_value")
+    return isinstance(val, torch.Tensor) and val.requires_grad
+
+
+def _gemm_input(node: fx.Node) -> Any:
+    """The activation a GEMM multiplies: ``addmm(bias, x, W)`` takes it second."""
+    return node.args[1] if node.target is torch.addmm else node.args[0]
 
 
 def _shape_of(node: fx.Node) -> tuple | None:

@@ -261,6 +261,8 @@ class ShapeRules:
             self._refuse(node, f"cat along the sharded dim {dim}", "")
         for t in tensors:
             if self.place.get(t) is None:
+                if p.sections:
+                    self._refuse(node, f"cat of a replicated {t.name} with a fused output cut part by part", "")
                 self._scatter_input(node, t, p.dim)
         return p
 

@@ -10,9 +10,10 @@ collectives that Inductor schedules like any other op:
   column-parallel GEMM: each rank's input gradient is partial);
 - ``gather_from_tp``: forward all-gather on the last dim, backward the rank's own
   slice (before a replicated consumer of a d-sharded stream);
-- ``scatter_to_tp``: forward this rank's slice of the last dim, backward
-  all-gather (where a replicated tensor meets a d-sharded one: a tied
-  embedding's output entering the sharded stream);
+- ``scatter_to_tp``: forward this rank's slice of a dim (the last by default),
+  backward all-gather (where a replicated tensor meets a sharded one: a tied
+  embedding's output entering the d-sharded stream, gpt-oss's per-head sinks
+  next to this rank's heads);
 - ``vocab_parallel_cross_entropy``: the cross-entropy of logits sharded on the
   vocabulary (each rank holds [N, V/p]): the row maximum and the sum of
   exponentials are all-reduced over [N], the target's logit comes from the rank
@@ -121,18 +122,18 @@ def group_name_of(group: dist.ProcessGroup) -> str:
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group_name: str, world: int, rank: int) -> torch.Tensor:
-        ctx.group_name, ctx.world, ctx.rank = group_name, world, rank
-        return x.chunk(world, dim=-1)[rank].contiguous()
+    def forward(ctx, x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1) -> torch.Tensor:
+        ctx.group_name, ctx.world, ctx.rank, ctx.dim = group_name, world, rank, dim
+        return x.chunk(world, dim=dim)[rank].contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _GatherFromTP.apply(grad, ctx.group_name, ctx.world, ctx.rank), None, None, None
+        return _GatherFromTP.apply(grad, ctx.group_name, ctx.world, ctx.rank, ctx.dim), None, None, None, None
 
 
-def scatter_to_tp(x: torch.Tensor, group_name: str, world: int, rank: int) -> torch.Tensor:
-    """This rank's slice of the last dim in forward; all-gather the gradient in backward."""
-    return _ScatterToTP.apply(x, group_name, world, rank)
+def scatter_to_tp(x: torch.Tensor, group_name: str, world: int, rank: int, dim: int = -1) -> torch.Tensor:
+    """This rank's slice of ``dim`` (the last by default) in forward; all-gather the gradient in backward."""
+    return _ScatterToTP.apply(x, group_name, world, rank, dim)
 
 
 def _all_reduce_op(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:

@@ -46,6 +46,8 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +85,8 @@ class TPReport:
     specs: dict[str, ShardSpec] = field(default_factory=dict)
     #: tp_localize's report on the sharded model's capture (nodes checked, repairs)
     check: Any = None
+    #: what verify compared of this rank's program on the example inputs (None: not verified)
+    verify: Any = None
 
     def __str__(self) -> str:
         roles: dict[str, int] = {}
@@ -144,6 +148,7 @@ def parallelize_(
     vocab_parallel: bool | None = None,
     stream_io: bool = False,
     shard_logits: bool = False,
+    verify: bool = True,
 ) -> TPReport:
     """Shard ``model`` in place for tensor parallelism over ``tp`` (a DeviceMesh or ProcessGroup).
 
@@ -165,6 +170,12 @@ def parallelize_(
     logits, [mb, s, ceil(V/p)], instead of gathering them: the schedule's loss
     must then be ``boost_compile.distributed.pipeline.vocab_parallel_loss(stage)``
     (``build_schedule`` refuses any other). The stage reads ``_boost_vocab_shard``.
+
+    ``verify``: run this rank's program (the backend's Torch-IR passes on the capture, the
+    collectives included) once on ``example_inputs`` against the unsharded model and its
+    float64 copy, every gradient included, as the compile's ``verify`` would at the first step:
+    a model whose sharded program computes something else is refused here with a
+    ``ParallelizeError`` that names the tensors, not at its first step.
     """
     if not dist.is_initialized():
         raise ParallelizeError("torch.distributed is not initialised (call init_process_group first)")
@@ -224,6 +235,11 @@ def parallelize_(
                 specs[roles.biases[weight]] = spec("shard", 0, weight) if role == "col" else spec("replicate", None)
 
     params = dict(model.named_parameters())
+    for norm, linear in roles.projection_norms.items():
+        # a norm over a column-parallel projection's whole output (OLMo 2's q_norm over all heads): its
+        # weight cut like that output, its statistic summed over the group (tp_collectives)
+        if linear in specs and specs[linear].role == "col" and not specs[linear].sections and params[norm].dim() == 1:
+            specs[norm] = spec("shard", 0)
     if vocab_parallel:
         for weight, layout, bias in roles.heads:
             dim = gemm_dim(layout, "col")
@@ -262,9 +278,12 @@ def parallelize_(
     if shard_logits:
         _shard_logits(model, roles, specs, params, world, plan)
     if stream_io or shard_logits:  # a stage's markers change its program: capture the sharded stage
-        report.check = check_local_program(model, example_inputs)
+        report.check = check_local_program(model, example_inputs, verify)
     else:
-        report.check = check_captured(roles.view)
+        gm = whole_view_graph(roles.view)
+        report.check = check_captured(roles.view, copy.deepcopy(gm))
+        if verify:
+            report.verify = verify_rank_program(gm, roles.view.example_inputs, model)
     log.info("%s; %s", report, report.check.line())
     return report
 
@@ -364,17 +383,26 @@ class _Checked(Exception):
     """Raised by the dry-run backend once the check has passed (nothing is compiled)."""
 
 
-def check_captured(view: GraphView) -> Any:
+def check_captured(view: GraphView, gm: fx.GraphModule | None = None) -> Any:
     """``tp_localize`` on a copy of ``parallelize_``'s own capture of the unsharded model, whose
     parameters are now the shards: the check of :func:`check_local_program` without a second
     capture. The placeholders keep the whole shapes the capture saw, which is what
     ``tp_full_view`` shows the graph a compile captures; the pass reads each one's ShardSpec
     from the parameter behind it and checks every node against the whole shapes, as at compile.
+    ``gm``: :func:`whole_view_graph` of ``view`` already made (it is rewritten in place).
     """
     from boost_compile.config import BoostConfig
     from boost_compile.pass_manager import PassContext
     from boost_compile.passes.tp_localize import TPLocalizePass
 
+    gm = gm if gm is not None else whole_view_graph(view)
+    config = BoostConfig()
+    return TPLocalizePass(config).run(PassContext(gm, view.example_inputs, config, grad_enabled=True))
+
+
+def whole_view_graph(view: GraphView) -> fx.GraphModule:
+    """A copy of ``view``'s capture as a compile of the sharded model captures it: each sharded
+    parameter's placeholder read through ``tp_full_view`` (the shard seen with its whole shape)."""
     gm = copy.deepcopy(view.gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, view.example_inputs, strict=False):
@@ -389,11 +417,51 @@ def check_captured(view: GraphView) -> Any:
         whole.meta = dict(node.meta)
         node.meta["example_value"] = torch.empty(value.shape, dtype=value.dtype, device="meta")
     gm.recompile()
+    return gm
+
+
+def verify_rank_program(gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module | None = None) -> Any:
+    """The backend's Torch-IR passes on ``gm`` (a capture of the sharded model, rewritten in
+    place) under ``verify``: this rank's program against the unsharded model, built from the
+    gathered shards, and its float64 copy, on ``example_inputs`` (every rank at once). A program
+    that differs even without the rewrites verify may drop is refused with a ParallelizeError;
+    returns verify's report (what it compared, what it dropped). ``model``: the parameters' names
+    for the message (the graph's own are Dynamo's)."""
+    from boost_compile.config import BoostConfig
+    from boost_compile.pass_manager import PassContext, run_graph_passes
+    from boost_compile.passes import graph_passes
+    from boost_compile.verify import Verifier, VerifyError, VerifyWarning
+
     config = BoostConfig()
-    return TPLocalizePass(config).run(PassContext(gm, view.example_inputs, config, grad_enabled=True))
+    ctx = PassContext(gm, example_inputs, config, grad_enabled=True)
+    verifier = Verifier(gm, example_inputs, ctx.needs_grad(), False, "parallelize_", config.verify.max_gib)
+    try:
+        with warnings.catch_warnings(record=True) as dropped:  # a refusal below says it all
+            warnings.simplefilter("always", VerifyWarning)
+            run_graph_passes(graph_passes(config), ctx, None, verifier)
+    except VerifyError as exc:
+        first = [c for c in verifier.report.checks if c.status == "dropped"]
+        detail = _with_parameter_names(f": {first[-1].detail}" if first else "", gm, example_inputs, model)
+        raise ParallelizeError(
+            f"this rank's program does not compute the unsharded model{detail}. {exc}. A construct the "
+            "tensor-parallel passes do not shard exactly; shard this model with another plan, or leave "
+            "tensor parallelism off for it") from None
+    for w in dropped:  # a rewrite dropped, the program kept: the compile will say the same
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return verifier.report
 
 
-def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
+def _with_parameter_names(text: str, gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module | None) -> str:
+    """``text`` with each ``grad:<placeholder>`` of a parameter written ``grad:<its name in model>``."""
+    if model is None:
+        return text
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {ph: by_id[id(x)] for ph, x in zip(placeholders, example_inputs, strict=False) if id(x) in by_id}
+    return re.sub(r"grad:(\w+)", lambda m: f"grad:{names.get(m.group(1), m.group(1))}", text)
+
+
+def check_local_program(model: nn.Module, example_inputs: Sequence[Any], verify: bool = False) -> Any:
     """Capture the sharded model on ``example_inputs`` and run ``tp_localize`` on it now.
 
     A model whose rank program cannot be built (or would not match the unsharded
@@ -408,8 +476,11 @@ def check_local_program(model: nn.Module, example_inputs: Sequence[Any]) -> Any:
     config = BoostConfig()
 
     def dry_run(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        program = copy.deepcopy(gm) if verify else None
         ctx = PassContext(gm, inputs, config, grad_enabled=torch.is_grad_enabled())
         reports.append(TPLocalizePass(config).run(ctx))
+        if program is not None:
+            verify_rank_program(program, inputs, model)
         raise _Checked
 
     try:

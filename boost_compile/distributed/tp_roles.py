@@ -5,6 +5,7 @@ linear, output head), where the residual stream runs, and how fused outputs spli
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ class Roles:
     biases: dict[str, str]  # weight -> bias
     sections: dict[str, tuple[int, ...]]  # column-parallel weight -> whole sizes of its output's split
     heads: list[tuple[str, str, str | None]]  # untied output heads: (weight, layout, bias)
+    # the parameters (weight, bias) of a norm over a block linear's whole output -> that linear's weight:
+    # OLMo 2's q_norm over all heads of q_proj. Cut like the linear's output when it is column-parallel
+    projection_norms: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
@@ -92,7 +96,13 @@ def analyse(model: nn.Module, example_inputs: Sequence[Any]) -> Roles:
         for s in view.linears
         if s.param_name and s.node in after and not view.in_block(s) and _read_only_by(s.weight, s.node, names)
     ]
-    return Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections, heads)
+    projection_norms = {
+        name: site.param_name
+        for s in view.norms if s.input in view.linear_by_node and s.input not in stream_set
+        and (site := view.linear_by_node[s.input]).param_name and view.in_block(site)
+        for name in (s.param_name, getattr(s, "bias_name", None)) if name
+    }
+    return Roles(view, embedding, shardable, block_norms, chains, dense, biases, sections, heads, projection_norms)
 
 
 def repeat_roles(roles: Roles, container: str, source: int, count: int) -> Roles:
@@ -108,8 +118,10 @@ def repeat_roles(roles: Roles, container: str, source: int, count: int) -> Roles
     dense = [(w, layout, role) for weight, layout, role in roles.dense for w in each(weight)]
     biases = {w: b for weight, bias in roles.biases.items() for w, b in zip(each(weight), each(bias), strict=True)}
     sections = {w: parts for weight, parts in roles.sections.items() for w in each(weight)}
+    projection_norms = {n: w for norm, weight in roles.projection_norms.items()
+                        for n, w in zip(each(norm), each(weight), strict=True)}
     return Roles(roles.view, roles.embedding, roles.shardable_embeddings, names(roles.block_norms), chains, dense,
-                 biases, sections, roles.heads)
+                 biases, sections, roles.heads, projection_norms)
 
 
 def _read_only_by(weight: fx.Node, gemm: fx.Node, names: dict[fx.Node, str]) -> bool:
