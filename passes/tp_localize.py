@@ -703,6 +703,7 @@ class _Localizer(ShapeRules):
         serves all its sharded readers: their partial gradients are summed once."""
         if not self.ctx.grad_enabled:
             return
+        needs_grad = self._needing_grad()
         skip_nodes = {n for site_out in self.sharded_norms for n in self.site_of[site_out].nodes} if self.sharded_norms else set()
         for node in list(self.graph.nodes):
             if node.op not in ("call_function", "call_method") or not self._sharded(node) or node in skip_nodes:
@@ -714,7 +715,7 @@ class _Localizer(ShapeRules):
             if node.op == "call_method" and node.target in FIRST_ARG_ONLY:
                 inputs = inputs[:1]  # the others lend a dtype or a shape, no gradient
             for x in inputs:
-                if self._sharded(x) or not _needs_grad(x) or (x.op == "call_function" and x.target is copy_to_tp):
+                if self._sharded(x) or x not in needs_grad or (x.op == "call_function" and x.target is copy_to_tp):
                     continue
                 if node in self.col_inputs and x is _gemm_input(node):
                     continue
@@ -728,6 +729,22 @@ class _Localizer(ShapeRules):
                     self.repairs.append(f"sum the gradient of {x.name} {self._shape_str(x)} over the group: "
                                         f"replicated, read whole by {self._where(node)} whose output is sharded")
                 node.replace_input_with(x, self.partial_sums[x])
+
+    def _needing_grad(self) -> set[fx.Node]:
+        """The nodes a gradient reaches: floating-point values computed from an input that requires
+        one. From the inputs, not the nodes' recorded ``requires_grad``: a capture traced with grad
+        off (parallelize_'s) records none past the placeholders. A node counted that no gradient
+        reaches at run time costs nothing: autograd never calls its backward."""
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        found = {n for n, x in zip(placeholders, self.ctx.example_inputs, strict=False)
+                 if isinstance(x, torch.Tensor) and x.requires_grad}
+        for node in self.graph.nodes:
+            if node.op in ("call_function", "call_method") and any(x in found for x in node.all_input_nodes):
+                val = node.meta.get("example_value")
+                vals = val if isinstance(val, (tuple, list)) else (val,)
+                if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
+                    found.add(node)
+        return found
 
     def _sdpa(self, node: fx.Node) -> Placement:
         q, k, v = node.args[:3]
@@ -940,11 +957,6 @@ def _dropout_args(node: fx.Node) -> tuple[float, bool, bool]:
     training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
     inplace = node.kwargs.get("inplace", node.args[3] if len(node.args) > 3 else False)
     return float(p), bool(training), bool(inplace)
-
-
-def _needs_grad(node: fx.Node) -> bool:
-    val = node.meta.get("example_value")
-    return isinstance(val, torch.Tensor) and val.requires_grad
 
 
 def _gemm_input(node: fx.Node) -> Any:

@@ -137,6 +137,27 @@ def validate(model: nn.Module, world: int, plan: str) -> None:
         raise ParallelizeError(f"TP degree {world} must divide {', '.join(bad)}")
 
 
+def same_on_every_rank(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Every rank must start from the same weights: each keeps its slice of its own copy, and a
+    replicated parameter that differs between ranks makes a model that no one process computes.
+    A float64 sum and sum of squares per parameter, their minimum and maximum over the group."""
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.device.type != "meta"]
+    if not named:
+        return
+    with torch.no_grad():
+        sums = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for _, p in named])
+    low, high = sums.clone(), sums.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+    differ = [n for (n, _), lo, hi in zip(named, low, high, strict=True) if not torch.equal(lo, hi)]
+    if differ:
+        more = f" and {len(differ) - 1} more" if len(differ) > 1 else ""
+        raise ParallelizeError(
+            f"the model's weights differ between the ranks of the TP group ({differ[0]}{more}): each rank keeps "
+            "its slice of its own copy, so build the model under the same seed on every rank "
+            "(torch.manual_seed before constructing it) or load the same checkpoint first")
+
+
 # ----------------------------------------------------------------------------- the entry point
 
 
@@ -182,6 +203,7 @@ def parallelize_(
     group = _group_of(tp)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     validate(model, world, plan)
+    same_on_every_rank(model, group)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     roles = _analyse(model, example_inputs)

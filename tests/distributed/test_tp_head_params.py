@@ -22,6 +22,8 @@ ALL_WHOLE = {**ALL_HEAD, "qk_norm": "whole"}
 #: each construct alone (megatron, whole model), then all of them in every layout
 TRAINED = {
     "head-qk-norm": {"switches": {"qk_norm": "head"}, "plan": "megatron"},
+    # Gemma's 1 + w: the partial gradient is that of a tensor computed from the parameter
+    "head-qk-norm-gemma": {"switches": {"qk_norm": "head_gemma"}, "plan": "megatron"},
     "whole-qk-norm": {"switches": {"qk_norm": "whole"}, "plan": "megatron"},
     "sinks": {"switches": {"sinks": True}, "plan": "megatron"},
     "score-scale": {"switches": {"score_scale": True}, "plan": "megatron"},
@@ -67,6 +69,7 @@ def test_replicated_parameters_read_by_local_heads_have_their_gradients_summed(r
     assert len(summed) == 4, summed
     assert all("norm" in line for line in summed)
     assert r["roles"].get("layers.0.self_attn.q_norm.weight") is None  # replicated: no ShardSpec
+    assert len(_summed(per_rank(results, "head-qk-norm-gemma")[0])) == 4
     # the scalar scale: one sum per block
     assert len(_summed(per_rank(results, "score-scale")[0])) == 2
     # a per-head parameter is cut, not summed: its broadcast [1, H, 1, 1] sliced on the heads dim

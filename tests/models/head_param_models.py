@@ -6,6 +6,9 @@ switched on alone or together:
 - ``qk_norm="head"``: q and k normalised over head_dim, one weight shared by every head (Qwen3,
   Gemma 3). Each rank holds some heads, so each rank's gradient of that replicated weight
   covers its own heads: the whole gradient is their sum.
+- ``qk_norm="head_gemma"``: the same with Gemma's weight ``1 + w`` in fp32, computed from the
+  parameter before it scales anything (the replicated tensor whose gradient is partial is not
+  the parameter itself).
 - ``qk_norm="whole"``: q and k normalised over the whole projection, all heads at once (OLMo 2,
   OLMoE): the weight is cut like the projection's output and the statistic summed over the group.
 - ``sinks``: one learned logit per head, a column next to the scores that the softmax sees and
@@ -34,23 +37,26 @@ class HeadParamConfig:
     num_key_value_heads: int = 2
     intermediate_size: int = 128
     n_layers: int = 2
-    qk_norm: str | None = None  # None, "head" or "whole"
+    qk_norm: str | None = None  # None, "head", "head_gemma" or "whole"
     sinks: bool = False
     score_scale: bool = False
     head_bias: bool = False
 
 
 class RMSNorm(nn.Module):
-    """Hugging Face's form: the statistic in fp32, the weight after the cast back."""
+    """Hugging Face's form: the statistic in fp32, the weight after the cast back; ``one_plus``:
+    Gemma's, ``1 + w`` in fp32 before the cast back."""
 
-    def __init__(self, size: int, eps: float = 1e-6) -> None:
+    def __init__(self, size: int, eps: float = 1e-6, one_plus: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size) if one_plus else torch.ones(size))
+        self.eps, self.one_plus = eps, one_plus
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.one_plus:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
 
@@ -64,8 +70,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
-        if c.qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(self.head_dim), RMSNorm(self.head_dim)
+        if c.qk_norm in ("head", "head_gemma"):
+            gemma = c.qk_norm == "head_gemma"
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, one_plus=gemma), RMSNorm(self.head_dim, one_plus=gemma)
         elif c.qk_norm == "whole":
             self.q_norm, self.k_norm = RMSNorm(self.n_heads * self.head_dim), RMSNorm(self.n_kv * self.head_dim)
         if c.sinks:
@@ -82,7 +89,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, t, -1, self.head_dim)
         k = k.view(b, t, -1, self.head_dim)
-        if self.c.qk_norm == "head":
+        if self.c.qk_norm in ("head", "head_gemma"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -151,5 +158,5 @@ def head_param_lm(seed: int = 0, **switches: object) -> HeadParamLM:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
+                p.copy_(p + 0.2 * torch.randn_like(p))
     return model
