@@ -308,6 +308,8 @@ class _Localizer(ShapeRules):
                                      "use plan='megatron' (dense) or 'vanilla'")
         if node.op == "call_function" and t in SOFTMAX or (node.op == "call_method" and t in ("softmax", "log_softmax")):
             return self._reduce(node, keep=True)
+        if is_method_or_fn(node, {"min", "max"}) and len(node.args) > 1 and isinstance(node.args[1], fx.Node):
+            return self._elementwise(node)  # min(x, other): elementwise, not a reduction (xIELU's activation)
         if is_method_or_fn(node, REDUCTIONS):
             return self._reduce(node, keep=False)
         if is_method_or_fn(node, VIEWS, (torch.reshape,)):
@@ -329,6 +331,8 @@ class _Localizer(ShapeRules):
             return self._split(node)
         if is_method_or_fn(node, {"cat", "concat", "concatenate"}, (torch.cat, torch.concat)):
             return self._cat(node)
+        if is_method_or_fn(node, {"stack"}, (torch.stack,)):
+            return self._stack(node)
         if is_method_or_fn(node, {"repeat_interleave"}, (torch.repeat_interleave,)):
             return self._repeat_interleave(node)
         if is_method_or_fn(node, {"triu", "tril"}, (torch.triu, torch.tril)):

@@ -266,6 +266,22 @@ class ShapeRules:
                 self._scatter_input(node, t, p.dim)
         return p
 
+    def _stack(self, node: fx.Node) -> Placement:
+        """``stack(tensors, dim)``: every tensor cut alike; a new dim at or before the cut moves it
+        one out (the interleaved rotary of GLM and Cohere: ``stack((-x2, x1), -1).flatten(-2)``)."""
+        tensors = list(node.args[0])
+        nd = len(self.full[node])
+        dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % nd
+        places = {self.place.get(t) for t in tensors}
+        sharded = [q for q in places if q is not None]
+        if len(set(sharded)) != 1 or sharded[0].sections:
+            self._refuse(node, f"stack of tensors sharded differently ({places})", "")
+        p = sharded[0]
+        for t in tensors:
+            if self.place.get(t) is None:
+                self._scatter_input(node, t, p.dim)
+        return Sharded(p.dim + 1 if dim <= p.dim else p.dim)
+
     def _repeat_interleave(self, node: fx.Node) -> Placement:
         """Each element repeated n times in place: a rank's contiguous heads stay contiguous (GQA)."""
         x = node.args[0]
@@ -414,13 +430,15 @@ ELEMENTWISE_FUNCTIONS = {
     torch.exp, torch.log, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.clamp, torch.where,
     torch.masked_fill, torch.maximum, torch.minimum, torch.reciprocal, torch.cos, torch.sin, torch.erf,
     torch.square, torch.polar, torch.complex, torch.real, torch.imag,
+    operator.gt, operator.lt, operator.ge, operator.le, operator.eq, operator.ne,
+    torch.gt, torch.lt, torch.ge, torch.le, torch.eq, torch.ne, torch.expm1, torch.log1p,
     F.silu, F.gelu, F.relu, F.dropout, torch.dropout, F.softplus, F.tanh,
 }
 ELEMENTWISE_METHODS = {
     "add", "sub", "mul", "div", "neg", "pow", "float", "half", "bfloat16", "double", "to", "type", "type_as",
     "contiguous", "clone", "detach", "rsqrt", "sqrt", "exp", "log", "sigmoid", "tanh", "silu", "relu",
     "masked_fill", "clamp", "abs", "reciprocal", "cos", "sin", "square", "__add__", "__mul__", "__sub__",
-    "__truediv__", "__radd__", "__rmul__", "add_", "mul_",
+    "__truediv__", "__radd__", "__rmul__", "add_", "mul_", "gt", "lt", "ge", "le", "eq", "ne", "expm1", "log1p",
 }
 #: methods whose second tensor argument only lends its dtype or shape
 FIRST_ARG_ONLY = {"type_as", "to", "view_as", "expand_as", "reshape_as"}
