@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-quick lint explain bench bench-compile clean
+.PHONY: train test test-quick lint explain bench bench-compile zoo-layouts clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ zoo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --out benchmarks/zoo
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --options '{"verify": false}' --out benchmarks/zoo --stem zoo-noverify
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --inner inductor --only $(ZOO_INDUCTOR) --out benchmarks/zoo --stem zoo-inductor
+
+# the zoo under distributed layouts on gloo ranks of this machine: tp2-megatron, tp2-btp (factorized), fsdp2
+# (data parallel) and tp2xfsdp2 (a sample), 3 SGD steps each against eager and float64 (zoo-layouts.md)
+zoo-layouts: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo_layouts --out benchmarks/zoo
 
 clean:
 	rm -rf $(VENV) explain_out .pytest_cache

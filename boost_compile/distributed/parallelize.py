@@ -203,7 +203,6 @@ def parallelize_(
     group = _group_of(tp)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     validate(model, world, plan)
-    same_on_every_rank(model, group)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     roles = _analyse(model, example_inputs)
@@ -221,6 +220,7 @@ def parallelize_(
         raise ParallelizeError(f"plan btp needs every block linear to be a bottleneck; dense: {[d[0] for d in roles.dense]}")
     if plan == "megatron" and roles.chains:
         raise ParallelizeError("plan megatron is for dense blocks; this model has bottlenecks (use btp or vanilla)")
+    same_on_every_rank(model, group)
     if plan == "vanilla":
         if shard_logits:
             raise ParallelizeError("shard_logits is for btp and megatron stages; plan vanilla returns DTensor logits")
