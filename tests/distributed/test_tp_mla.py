@@ -24,7 +24,7 @@ SCENARIOS = [
     {"name": "minicpm3-megatron", "model": "minicpm3", "plan": "megatron", "steps": 2},
     {"name": "v3-btp", "model": "v3", "plan": "btp", "expect": "refused"},
     {"name": "v3-btp-factorized-mlp", "model": "v3", "plan": "btp", "factorize_mlp": True, "expect": "refused"},
-    {"name": "v3-key-by-repeat", "model": "v3", "plan": "megatron", "key_by_repeat": True, "expect": "refused"},
+    {"name": "v3-key-by-repeat", "model": "v3", "plan": "megatron", "key_by_repeat": True, "steps": 2},
 ]
 
 MLA_ROLES = {
@@ -85,12 +85,12 @@ def test_btp_refuses_dense_mla_in_one_line(results):
             assert "\n" not in message and "q_a_proj" in message
 
 
-def test_a_rope_key_repeated_to_every_head_is_refused(results):
-    """Only a broadcast (``expand``) of the shared key can be narrowed to this rank's heads; a
-    ``repeat`` holds all heads' copies on every rank, refused naming the op and its line."""
-    for r in per_rank(results, "v3-key-by-repeat"):
-        message = r["message"]
-        assert message.startswith("ParallelizeError: model.layers.0.self_attn: "), message
-        assert "target=torch.cat" in message, message
-        assert "a replicated input repeat [2, 4, 16, 8] would have to be sliced on dim 1, not the last" in message
-        assert "model source: " in message and "key_by_repeat" in message
+def test_a_rope_key_repeated_to_every_head_is_cut_to_this_ranks_heads(results):
+    """A broadcast (``expand``) of the shared key is narrowed to this rank's heads; a ``repeat``
+    holds all heads' copies on every rank, so this rank's heads' copies are sliced from it (dim 1)
+    and their gradients gathered in backward, which the repeat's own backward sums."""
+    for rank, r in enumerate(per_rank(results, "v3-key-by-repeat")):
+        assert r["missing_grads"] == [], r["missing_grads"]
+        assert_parity(r["parity"], "float32", f"v3-key-by-repeat rank {rank}")
+        sliced = [line for line in r["repairs"] if line.startswith("scatter repeat") and "this rank's slice of dim 1" in line]
+        assert len(sliced) == 2, r["repairs"]  # one per block

@@ -88,6 +88,18 @@ def refusal(sc: dict[str, Any]) -> dict[str, Any]:
 def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     if "expect" in sc:
         return refusal(sc)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    original = DeepseekV3Attention.expand_kv
+    if sc.get("key_by_repeat"):
+        DeepseekV3Attention.expand_kv = key_by_repeat
+    try:
+        return _trained(sc)
+    finally:
+        DeepseekV3Attention.expand_kv = original
+
+
+def _trained(sc: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     ref = build(sc["model"], **sc.get("config", {}))
     truth = fp64_copy(ref)
