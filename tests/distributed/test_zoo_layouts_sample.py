@@ -1,0 +1,33 @@
+"""A sample of the layout zoo (boost_compile/bench/zoo_layouts.py) inside the suite: tiny Hugging Face
+models, one per construct that tensor parallelism must shard exactly, each 3 SGD steps on 2 gloo
+ranks with the loss and every gathered gradient of every step judged by the parity rule against one
+process and its float64 copy (``make zoo-layouts`` runs every architecture).
+
+Under megatron: Qwen3 (q/k norms over head_dim, one weight shared by the heads: its gradient summed
+over the group), OLMo 2 (q/k norms over all heads: cut like the projection, the statistic summed),
+gpt-oss (per-head attention sinks cut by heads, experts), Cohere (an interleaved rotary written with
+``stack``), Apertus (xIELU's scalar parameters in the sharded MLP). Under btp after ``factorize_``:
+Qwen3. Each must come out ``exact``."""
+
+from __future__ import annotations
+
+import pytest
+
+from boost_compile.bench import zoo_layouts as zl
+
+SAMPLE = {
+    "tp2-megatron": ("qwen3", "olmo2", "gpt_oss", "cohere", "apertus"),
+    "tp2-btp": ("qwen3",),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(SAMPLE))
+def test_the_sample_is_exact(layout, tmp_path):
+    pytest.importorskip("transformers")
+    results, groups = zl.run_layout(zl.LAYOUTS[layout], SAMPLE[layout], tmp_path / f"{layout}.jsonl", timeout=300,
+                                    echo=lambda _line: None)
+    assert groups == 1
+    got = {r.model_type: (r.cls, r.reason) for r in results}
+    assert got == {name: ("exact", "") for name in SAMPLE[layout]}, got
+    for r in results:
+        assert r.missing == [] and 0 <= r.margin < 1, (r.model_type, r.missing, r.margin)
