@@ -16,10 +16,13 @@ sharded size to this rank's size:
 
 A fused weight split into parts (nanoGPT's ``c_attn`` -> q, k, v) is cut part by
 part, and its ``split(n_embd)`` becomes ``split(n_embd / p)``. Where a replicated
-tensor meets a sharded one (a tied embedding's output entering the d-sharded
-stream) it inserts ``scatter_to_tp``; where a sharded tensor meets a consumer that
-needs it whole (the final norm, a replicated head, the graph's output)
-``gather_from_tp``. Reductions over the sharded dim are allowed only inside an
+tensor meets a sharded one on the sharded dim (a tied embedding's output entering the
+d-sharded stream, gpt-oss's per-head sinks next to this rank's heads) it inserts
+``scatter_to_tp``; where a sharded tensor meets a consumer that needs it whole (the
+final norm, a replicated head, the graph's output) ``gather_from_tp``. A replicated
+tensor read whole by an op with a sharded output (Qwen3's q_norm weight scaling this
+rank's heads) gets a partial gradient on each rank: it enters through ``copy_to_tp``,
+which sums that gradient over the group. Reductions over the sharded dim are allowed only inside an
 RMSNorm or LayerNorm site, whose statistics ``tp_collectives`` then sums over the
 group; a norm with no weight stays sharded when only row-parallel GEMMs read it, and
 is gathered before anything else (the final norm of modded-nanogpt).
