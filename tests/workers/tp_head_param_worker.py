@@ -19,9 +19,10 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from conftest import error_pair, fp64_copy, grads, params
+from conftest import fp64_copy
 from head_param_models import head_param_lm
 from scenario_runner import run_on_gloo
+from tp_steps import sgd_steps
 
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
@@ -75,26 +76,7 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
             compiled = model
         else:
             compiled = torch.compile(model, backend=backend)
-        runs = (ref, truth, model)
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in runs]
-        parity: dict[str, Any] = {"loss": [], "grad": []}
-        missing: list[str] = []
-        for _ in range(sc.get("steps", 3)):
-            for opt in opts:
-                opt.zero_grad(set_to_none=True)
-            loss_ref = ref(tokens, tokens)
-            loss_ref.backward()
-            loss_truth = truth(tokens, tokens)
-            loss_truth.backward()
-            loss = compiled(tokens, tokens)
-            loss.backward()
-            parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
-            gathered = bc.gather_full_grads(model)
-            missing = sorted(n for n, g in gathered.items() if g is None)
-            parity["grad"].append(error_pair(gathered, grads(ref), grads(truth)))
-            for opt in opts:
-                opt.step()
-    parity["param"] = error_pair(bc.gather_full_state_dict(model), params(ref), params(truth))
+        parity, missing = sgd_steps(ref, truth, model, compiled, lambda m: m(tokens, tokens), sc.get("steps", 3))
     localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
     return {
         "parity": parity,

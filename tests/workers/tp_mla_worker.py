@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from conftest import error_pair, fp64_copy, grads, params
+from conftest import fp64_copy
 from scenario_runner import run_on_gloo
+from tp_steps import sgd_steps
 
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
@@ -109,26 +110,7 @@ def _trained(sc: dict[str, Any]) -> dict[str, Any]:
     rec = Recorder()
     config = BoostConfig.from_options({"inner": sc.get("inner", "aot_eager")})
     compiled = torch.compile(model, backend=functools.partial(compile_graph, config=config, recorder=rec))
-    runs = (ref, truth, model)
-    # SGD keeps the runs within rounding of each other (tp_worker.make_optimizer)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in runs]
-    parity: dict[str, Any] = {"loss": [], "grad": []}
-    for _ in range(sc.get("steps", 3)):
-        for opt in opts:
-            opt.zero_grad(set_to_none=True)
-        loss_ref = loss_of(ref, tokens)
-        loss_ref.backward()
-        loss_truth = loss_of(truth, tokens)
-        loss_truth.backward()
-        loss = loss_of(compiled, tokens)
-        loss.backward()
-        parity["loss"].append(error_pair({"loss": loss}, {"loss": loss_ref}, {"loss": loss_truth}))
-        gathered = bc.gather_full_grads(model)
-        missing = sorted(n for n, g in gathered.items() if g is None)
-        parity["grad"].append(error_pair(gathered, grads(ref), grads(truth)))
-        for opt in opts:
-            opt.step()
-    parity["param"] = error_pair(bc.gather_full_state_dict(model), params(ref), params(truth))
+    parity, missing = sgd_steps(ref, truth, model, compiled, lambda m: loss_of(m, tokens), sc.get("steps", 3))
     localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
     return {
         "parity": parity,
