@@ -851,7 +851,8 @@ def _meta(layout: Layout, timeout: float, wall: float, n: int, groups: int, sour
         **{k: base[k] for k in ("torch", "transformers", "machine")},
         "commit": source,
         "date": started,
-        **{k: base[k] for k in ("timeout_s", "wall_s", "model")},
+        **{k: base[k] for k in ("timeout_s", "wall_s")},
+        "model": base["model"].replace("eager experts", "experts as batched_mm (one graph)"),
         "run": f"{STEPS} SGD steps, lr {LR}, boost inner aot_eager; parity rule at every step vs eager fp32 and float64",
     }
 
