@@ -325,6 +325,14 @@ def reset_dynamo() -> None:
     torch._dynamo.reset()
 
 
+def dynamo_counters() -> Any:
+    """Dynamo's own counters (``torch._dynamo.utils.counters``): ``["stats"]["unique_graphs"]`` is
+    the graphs it handed a backend since the last ``clear()``."""
+    import torch._dynamo.utils
+
+    return torch._dynamo.utils.counters
+
+
 def current_compile_id() -> str | None:
     """The id Dynamo gives the compile in progress ("0/0": frame 0, its first compile), else None."""
     from torch._guards import CompileContext

@@ -376,6 +376,7 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
     import torch
 
     import boost_compile as bc
+    from boost_compile import _torch_compat as compat
     from boost_compile.train.fsdp import keep_tp_specs, tp_specs_by_name
 
     layout = ctx.layout
@@ -385,7 +386,7 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
         ctx.stage(result, "shard")
         bc.parallelize_(model, (local_ids,), ctx.tp, plan=layout.plan)
         specs = tp_specs_by_name(model)
-        torch._dynamo.utils.counters.clear()  # result.graphs counts the compile's graphs, not parallelize_'s captures
+        compat.dynamo_counters().clear()  # result.graphs counts the compile's graphs, not parallelize_'s captures
     if not layout.fsdp:
         ctx.stage(result, "compile")
         result.compiled = "whole"
@@ -511,7 +512,7 @@ def run_architecture(ctx: Rank, model_type: str, seed: int = SEED) -> LayoutResu
     local_ids = ctx.local_rows(ids)
     tested: list[Run] = []
     compat.reset_dynamo()
-    counters = torch._dynamo.utils.counters
+    counters = compat.dynamo_counters()
     counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -22,6 +22,10 @@ LONG_MODULES = {
         "one walk placing every op kind of a parallelized graph, with its checks and messages; "
         "the op rules it applies are in tp_op_rules"
     ),
+    "boost_compile.bench.zoo_layouts": (
+        "one benchmark: a rank's run of an architecture under a layout, the parent that watches the ranks' "
+        "group and restarts it, and the tables; the rank and the parent share its result type and layouts"
+    ),
 }
 
 
