@@ -91,8 +91,9 @@ from boost_compile.passes.tp_op_rules import (
     source_line,
     view_target_dim,
 )
+from boost_compile.passes.tp_partial_grads import PLACEMENT_KEY, PartialGradients
+from boost_compile.passes.tp_partial_grads import tensor_inputs as _tensor_inputs
 
-PLACEMENT_KEY = "boost_tp_placement"
 SHARDED_NORMS_KEY = "boost_tp_sharded_norms"
 
 
@@ -140,7 +141,7 @@ def shard_specs(ctx: PassContext) -> dict[fx.Node, ShardSpec]:
     }
 
 
-class _Localizer(ShapeRules):
+class _Localizer(ShapeRules, PartialGradients):
     """One walk over the graph in topological order: place, rewrite, then check."""
 
     def __init__(self, ctx: PassContext, specs: dict[fx.Node, ShardSpec], report: PassReport) -> None:
@@ -690,69 +691,6 @@ class _Localizer(ShapeRules):
                 node.args, node.kwargs = (*node.args[:3], *extra, seed, self.rank, site), {}
             self.repairs.append(f"rank-local dropout ({kind}, p={p}) at {node.name}: this rank's own stream, site {site}")
 
-    def _sum_partial_gradients(self) -> None:
-        """A replicated tensor read whole by an op whose output is sharded gets a partial gradient.
-
-        Each rank computes its slice of the op's output from the whole tensor, so each rank's
-        gradient of it covers that slice alone; the unsharded model's gradient is their sum.
-        Qwen3's ``q_norm`` weight, one per head_dim and shared by every head, scales this rank's
-        heads only::
-
-            q = q_heads * w              # q_heads [B, T, H/p, hd] sharded on heads, w [hd] whole
-            q = q_heads * copy_to_tp(w)  # identity forward; w's gradient summed over the group
-
-        The same holds for a per-head bias broadcast over sharded heads, a replicated weight
-        applied to each rank's heads, an attention bias or mask that needs a gradient. The
-        placements say where it happens: a tensor placed replicated that needs a gradient,
-        read by a node placed sharded, not sliced on the way (a sliced one gets ``scatter_to_tp``,
-        whose backward gathers) and not the input of a column-parallel GEMM (``tp_collectives``
-        sums that one, hoisted to where the latent's uses meet). One ``copy_to_tp`` per tensor
-        serves all its sharded readers: their partial gradients are summed once."""
-        if not self.ctx.grad_enabled:
-            return
-        needs_grad = self._needing_grad()
-        skip_nodes = {n for site_out in self.sharded_norms for n in self.site_of[site_out].nodes} if self.sharded_norms else set()
-        for node in list(self.graph.nodes):
-            if node.op not in ("call_function", "call_method") or not self._sharded(node) or node in skip_nodes:
-                continue
-            if node.target in (scatter_to_tp, gather_from_tp, copy_to_tp) or is_full_view(node) or any(
-                    is_custom_op(node, m) for m in ("tp_stream_in", "tp_stream_out", "tp_vocab_out")):
-                continue  # their own backward is the collective; a marker reads this rank's shard or slice
-            inputs = _tensor_inputs(node)
-            if node.op == "call_method" and node.target in FIRST_ARG_ONLY:
-                inputs = inputs[:1]  # the others lend a dtype or a shape, no gradient
-            for x in inputs:
-                if self._sharded(x) or x not in needs_grad or (x.op == "call_function" and x.target is copy_to_tp):
-                    continue
-                if node in self.col_inputs and x is _gemm_input(node):
-                    continue
-                if x not in self.partial_sums:
-                    with self.graph.inserting_after(x):
-                        summed = self.graph.call_function(copy_to_tp, (x, self.group))
-                    summed.meta = {k: v for k, v in x.meta.items() if k != PLACEMENT_KEY}
-                    summed.meta[PLACEMENT_KEY] = None
-                    self.place[summed], self.full[summed] = None, self.full.get(x)
-                    self.partial_sums[x] = summed
-                    self.repairs.append(f"sum the gradient of {x.name} {self._shape_str(x)} over the group: "
-                                        f"replicated, read whole by {self._where(node)} whose output is sharded")
-                node.replace_input_with(x, self.partial_sums[x])
-
-    def _needing_grad(self) -> set[fx.Node]:
-        """The nodes a gradient reaches: floating-point values computed from an input that requires
-        one. From the inputs, not the nodes' recorded ``requires_grad``: a capture traced with grad
-        off (parallelize_'s) records none past the placeholders. A node counted that no gradient
-        reaches at run time costs nothing: autograd never calls its backward."""
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        found = {n for n, x in zip(placeholders, self.ctx.example_inputs, strict=False)
-                 if isinstance(x, torch.Tensor) and x.requires_grad}
-        for node in self.graph.nodes:
-            if node.op in ("call_function", "call_method") and any(x in found for x in node.all_input_nodes):
-                val = node.meta.get("example_value")
-                vals = val if isinstance(val, (tuple, list)) else (val,)
-                if any(isinstance(v, torch.Tensor) and v.is_floating_point() for v in vals):
-                    found.add(node)
-        return found
-
     def _sdpa(self, node: fx.Node) -> Placement:
         q, k, v = node.args[:3]
         heads = len(self.full[q]) - 3
@@ -966,25 +904,6 @@ def _dropout_args(node: fx.Node) -> tuple[float, bool, bool]:
     return float(p), bool(training), bool(inplace)
 
 
-def _gemm_input(node: fx.Node) -> Any:
-    """The activation a GEMM multiplies: ``addmm(bias, x, W)`` takes it second."""
-    return node.args[1] if node.target is torch.addmm else node.args[0]
-
-
 def _shape_of(node: fx.Node) -> tuple | None:
     val = node.meta.get("example_value")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    out = []
-    for n in node.all_input_nodes:
-        if PLACEMENT_KEY in n.meta and n.target in (scatter_to_tp, gather_from_tp):
-            out.append(n)  # inserted by this pass: no example value until shapes are propagated
-            continue
-        val = n.meta.get("example_value")
-        if isinstance(val, torch.Tensor) or (isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)):
-            out.append(n)
-    return out
-
-
