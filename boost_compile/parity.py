@@ -97,3 +97,40 @@ def compare(
         if not t_err <= bound(e_err, dtype) and not (math.isnan(t_err) and math.isnan(e_err)):
             bad.append(Mismatch(name, t_err, e_err, bound(e_err, dtype)))
     return bad
+
+
+class Float64Program(torch.overrides.TorchFunctionMode):
+    """Inside it, the float64 copy of a float32 program runs that program in float64 throughout.
+
+    Model code casts to fp32 for its statistics (``x.to(torch.float32)`` in Hugging Face's
+    RMSNorms, ``logits.float()`` in its losses, ``softmax(..., dtype=torch.float32)``). In the
+    float32 program those casts do nothing; in its float64 copy they round to fp32, so a truth
+    run without this mode carries fp32 rounding of its own. Here a float64 tensor's cast to
+    float32 is no op at all, as in the float32 program; an integer's cast to float32 gives
+    float64 (positions for a rotary table); a ``dtype=torch.float32`` keyword is float64 where a
+    float64 tensor is an argument. float32 tensors, and every other dtype, are left as asked. For
+    float64 programs only: a float32 one run inside it would get float64 positions.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = dict(kwargs or {})
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in _CASTS and x is not None and _wants(func, args, kwargs) is torch.float32:
+            if x.dtype == torch.float64:
+                return x
+            if not x.dtype.is_floating_point and not x.dtype.is_complex:
+                return x.to(torch.float64)
+        if kwargs.get("dtype") is torch.float32 and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+            kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
+_CASTS = (torch.Tensor.float, torch.Tensor.to, torch.Tensor.type)
+
+
+def _wants(func: object, args: tuple, kwargs: dict) -> object:
+    """The dtype a cast asks for (None where it names none)."""
+    if func is torch.Tensor.float:
+        return torch.float32
+    return kwargs.get("dtype", next((a for a in args[1:] if isinstance(a, torch.dtype)), None))

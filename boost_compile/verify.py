@@ -59,6 +59,8 @@ log = logging.getLogger("boost_compile")
 
 #: The floating dtypes a float64 copy of a graph widens.
 _NARROW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: The tensor methods that cast to one of them.
+_NARROW_METHODS = ("float", "half", "bfloat16")
 #: The cotangents' generator seed and the random ops' one (any fixed numbers).
 _COTANGENT_SEED = 1234
 _RANDOM_SEED = 4321
@@ -106,7 +108,8 @@ class VerifyReport:
 
 
 def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` whose narrow float dtype literals are float64 (inputs are upcast by the caller)."""
+    """A copy of ``gm`` whose narrow float dtype literals and casts (``.float()``) are float64
+    (inputs are upcast by the caller)."""
     graph = copy_graph(gm.graph)
 
     def widen(a: Any) -> Any:
@@ -115,6 +118,8 @@ def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
     for node in graph.nodes:
         node.args = fx.node.map_aggregate(node.args, widen)
         node.kwargs = fx.node.map_aggregate(node.kwargs, widen)
+        if node.op == "call_method" and node.target in _NARROW_METHODS:  # x.float(): no fp32 rounding either
+            node.target = "double"
     wide = fx.GraphModule(gm, graph)
     for node in graph.nodes:  # the graph's own constants (compile-time factors), widened on the copy
         if node.op == "get_attr":

@@ -109,3 +109,28 @@ def test_every_step_is_checked_and_the_ratio_returned():
         assert_parity({"loss": [[1e-6, 1e-6], [1e-4, 1e-6]]}, record=False)
     with pytest.raises(AssertionError, match="no errors"):
         assert_parity({"loss": []}, record=False)
+
+
+def test_float64_program_keeps_the_models_own_fp32_casts_in_float64():
+    from boost_compile.parity import Float64Program
+
+    def norm_loss(x, w, positions):
+        # Hugging Face's RMSNorm, a rotary table from integer positions, its loss's logits.float()
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        angles = positions.float()[:, None] * torch.ones(1, x.shape[-1], dtype=x.dtype)
+        logits = (w * h.to(x.dtype) + angles.cos()).float()
+        return torch.softmax(logits, -1, dtype=torch.float32).logsumexp(-1).sum()
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 32, generator=gen), 1 + 0.1 * torch.randn(32, generator=gen)
+    positions = torch.arange(4)
+    exact = norm_loss(x.double(), w.double(), positions)  # the casts round to fp32 here
+    with Float64Program():
+        wide = norm_loss(x.double(), w.double(), positions)
+    assert exact.dtype == torch.float32 and wide.dtype == torch.float64
+    # no fp32 rounding left: the same sum by another order agrees to float64's digits
+    with Float64Program():
+        again = norm_loss(x.double().flip(0), w.double(), positions.flip(0))
+    assert abs(wide.item() - again.item()) < 1e-13 * abs(wide.item())
+    assert abs(wide.item() - exact.item()) > 1e-9 * abs(wide.item())  # the fp32 copy really rounded

@@ -235,3 +235,24 @@ def test_the_callers_saved_tensor_hooks_see_the_step_not_verify():
             fn(torch.randn(3, 8)).sum().backward()
         counts.append(sum(packed))
     assert counts[0] == counts[1] > 0
+
+
+def test_the_float64_copy_widens_float_casts_too():
+    from boost_compile.verify import float64_graph
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(x):
+        return x.float().pow(2).mean(-1) + x.to(torch.float32).sum()
+
+    torch.compile(f, backend=keep)(torch.randn(3, 4))
+    wide = float64_graph(graphs[0])
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    (out,) = wide(x)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, x.pow(2).mean(-1) + x.sum())  # the same float64 ops, no fp32 rounding
+    assert [n.target for n in wide.graph.nodes if n.op == "call_method"].count("float") == 0
