@@ -336,8 +336,21 @@ def _eps(site: RMSNormSite, x: fx.Node) -> float:
     return float(torch.finfo(val.dtype).eps)
 
 
+def _stat_dtype(x: fx.Node) -> torch.dtype:
+    """The dtype a norm's statistics and packed all-reduce run in: fp32, or the input's own where
+    wider (a float64 model stays float64; ``.float()`` would round it to fp32)."""
+    val = x.meta.get("example_value", x.meta.get("val"))
+    dtype = getattr(val, "dtype", torch.float32)
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
+
+
+def _wide(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """``node`` in ``dtype`` (:func:`_stat_dtype`): ``.float()`` for fp32, as before."""
+    return graph.call_method("float", (node,)) if dtype == torch.float32 else graph.call_method("to", (node, dtype))
+
+
 def _local_sumsq(graph: fx.Graph, x: fx.Node) -> fx.Node:
-    xf = graph.call_method("float", (x,))
+    xf = _wide(graph, x, _stat_dtype(x))
     sq = graph.call_function(operator.mul, (xf, xf))
     return graph.call_method("sum", (sq, -1), {"keepdim": True})
 
@@ -358,7 +371,7 @@ def _online_rmsnorm(graph: fx.Graph, site: RMSNormSite, gemm: fx.Node, spec: Sha
             h = graph.call_function(reduce_from_tp, (h_local, spec.group_name))
             s = graph.call_function(reduce_from_tp, (s_local, spec.group_name))
         else:
-            packed = graph.call_function(torch.cat, ([graph.call_method("float", (h_local,)), s_local], -1))
+            packed = graph.call_function(torch.cat, ([_wide(graph, h_local, _stat_dtype(x)), s_local], -1))
             summed = graph.call_function(reduce_from_tp, (packed, spec.group_name))
             r = _out_width(gemm)
             h = graph.call_function(operator.getitem, (summed, (Ellipsis, slice(0, r))))
@@ -398,7 +411,7 @@ def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec
         s = _statistic_sum(graph, _local_sumsq(graph, x), spec)
         rstd = graph.call_function(torch.rsqrt,
                                    (graph.call_function(operator.add, (graph.call_function(operator.truediv, (s, d_full)), eps)),))
-        normed = graph.call_function(operator.mul, (graph.call_method("float", (x,)), rstd))
+        normed = graph.call_function(operator.mul, (_wide(graph, x, _stat_dtype(x)), rstd))
         scale = _scale_factor(graph, site)
         if scale is not None:
             normed = graph.call_function(operator.mul, (normed, scale))
@@ -414,7 +427,7 @@ def _stat_all_reduce_rmsnorm(graph: fx.Graph, site: RMSNormSite, spec: ShardSpec
 def _local_moments(graph: fx.Graph, x: fx.Node, spec: ShardSpec) -> tuple[fx.Node, fx.Node]:
     """This rank's centred slice ``c = x - m_l`` (fp32) and its statistics [..., 1 + p]:
     ``M2_l = sum(c^2)`` and the local mean ``m_l`` in column ``1 + rank`` (zeros elsewhere)."""
-    xf = graph.call_method("float", (x,))
+    xf = _wide(graph, x, _stat_dtype(x))
     m = graph.call_method("mean", (xf, -1), {"keepdim": True})
     c = graph.call_function(operator.sub, (xf, m))
     m2 = graph.call_method("sum", (graph.call_function(operator.mul, (c, c)), -1), {"keepdim": True})
@@ -458,6 +471,7 @@ def _online_layernorm(graph: fx.Graph, site: LayerNormSite, gemm: fx.Node, spec:
     for n in lead:
         n_tok *= n
     p, r, rank = spec.world, _out_width(gemm), spec.rank
+    wide = _stat_dtype(x)
     if gemm.kwargs.get("bias") is not None or (len(gemm.args) > 2 and gemm.args[2] is not None):
         raise ParallelizeError(f"{gemm.name}: a row-parallel GEMM with a bias after a LayerNorm (the bias is not summed)")
 
@@ -475,12 +489,12 @@ def _online_layernorm(graph: fx.Graph, site: LayerNormSite, gemm: fx.Node, spec:
         if site.bias is not None:
             rows.append(gemm_of(method("view", (site.bias, 1, d_local))))
         if separate:
-            summed = method("float", (call(reduce_from_tp, (call(torch.cat, (rows, 0)), spec.group_name)),))
+            summed = _wide(graph, call(reduce_from_tp, (call(torch.cat, (rows, 0)), spec.group_name)), wide)
             stats = call(reduce_from_tp, (stats, spec.group_name))
         else:
             width = r + 1 + p
-            tokens = call(torch.cat, ([method("float", (rows[0],)), method("reshape", (stats, n_tok, 1 + p))], -1))
-            extra = [call(pad, (method("float", (row,)), (0, width - r))) for row in rows[1:]]
+            tokens = call(torch.cat, ([_wide(graph, rows[0], wide), method("reshape", (stats, n_tok, 1 + p))], -1))
+            extra = [call(pad, (_wide(graph, row, wide), (0, width - r))) for row in rows[1:]]
             summed = call(reduce_from_tp, (call(torch.cat, ([tokens, *extra], 0)), spec.group_name))
             stats = method("reshape", (call(get, (summed, (slice(0, n_tok), slice(r, width)))), *lead, 1 + p))
         h = method("reshape", (call(get, (summed, (slice(0, n_tok), slice(0, r)))), *lead, r))

@@ -146,7 +146,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     Forward: the global row maximum (all-reduce max of [N]), then one all-reduce of
     [N, 2]: each rank's sum of exponentials and the target's shifted logit (zero on
     the ranks that do not own it). Backward: softmax minus the one-hot target, on
-    each rank's own columns, from the forward's exponentials (fp32 logits) or recomputed
+    each rank's own columns, from the forward's exponentials (fp32 or float64 logits) or recomputed
     (bf16 logits, so that no fp32 copy of them is kept); it needs no collective.
     """
 
@@ -167,7 +167,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # backward reads the exponentials when they take no more memory than the logits (fp32
         # logits), else recomputes them from the logits; either way the collectives' own outputs:
         # a partitioner that finds the forward recomputable has no reason to repeat a collective
-        ctx.saved_exps, ctx.dtype = logits.dtype == torch.float32, logits.dtype
+        ctx.saved_exps, ctx.dtype = logits.dtype == _wide(logits.dtype), logits.dtype
         ctx.save_for_backward(exps if ctx.saved_exps else logits, target, row_max, summed)
         ctx.reduction, ctx.start, ctx.vocab, ctx.ignore_index = reduction, start, vocab, ignore_index
         if reduction == "none":
@@ -184,7 +184,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = target != ctx.ignore_index
         hit = valid & (target >= ctx.start) & (target < ctx.start + local)
         index = (target - ctx.start).clamp(0, local - 1)
-        grad = grad.float()
+        grad = grad.to(_wide(ctx.dtype))
         if ctx.reduction == "none":
             per_row = grad
         elif ctx.reduction == "mean":
@@ -202,9 +202,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits.to(ctx.dtype), None, None, None, None, None, None, None
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cross-entropy's exponentials run in: fp32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _masked_logits(logits: torch.Tensor, start: int, vocab: int) -> torch.Tensor:
-    """fp32 logits with the padded columns (global index >= vocab) at -inf."""
-    x = logits.float()
+    """fp32 logits (float64 ones stay float64) with the padded columns (global index >= vocab) at -inf."""
+    x = logits.to(_wide(logits.dtype))
     if start + logits.shape[-1] > vocab:
         cols = torch.arange(start, start + logits.shape[-1], device=x.device)
         x = x.masked_fill(cols >= vocab, float("-inf"))

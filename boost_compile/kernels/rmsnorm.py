@@ -70,6 +70,11 @@ HAS_TRITON = _triton_kernels is not None
 # --------------------------------------------------------------------------- ATen math
 
 
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32, or the input's dtype where wider: ``.float()`` would round a float64 model to fp32."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _aten_forward(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -77,14 +82,16 @@ def _aten_forward(
     offset: float,
     cast_before_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, rstd)`` with fp32 statistics, differentiable by autograd (the reference)."""
-    xf = x.float()
+    """``(y, rstd)`` with fp32 statistics (float64 ones for a float64 input), differentiable by
+    autograd (the reference)."""
+    wide = _stat_dtype(x)
+    xf = x.to(wide)
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = xf * rstd
     if cast_before_weight:
-        y = y.to(x.dtype).float()
+        y = y.to(x.dtype).to(wide)
     if weight is not None:
-        y = y * (weight.float() + offset)
+        y = y * (weight.to(wide) + offset)
     return y.to(x.dtype), rstd.squeeze(-1)
 
 
@@ -96,13 +103,14 @@ def _aten_backward(
     offset: float,
     grad_s: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r = rstd.float().unsqueeze(-1)
-    xh = x.float() * r
-    g = grad_y.float()
-    wg = g * (weight.float() + offset) if weight is not None else g
+    wide = _stat_dtype(x)
+    r = rstd.to(wide).unsqueeze(-1)
+    xh = x.to(wide) * r
+    g = grad_y.to(wide)
+    wg = g * (weight.to(wide) + offset) if weight is not None else g
     dx = (wg - xh * (wg * xh).mean(-1, keepdim=True)) * r
     if grad_s is not None:
-        dx = dx + grad_s.float()
+        dx = dx + grad_s.to(wide)
     dx = dx.to(x.dtype).contiguous()
     if weight is None:
         dw = x.new_empty(0)
@@ -160,6 +168,9 @@ if HAS_TRITON:
 
     @rms_norm_op.register_kernel("cuda")
     def _rms_norm_cuda(x, weight, eps, offset, cast_before_weight):
+        if x.dtype == torch.float64:  # the kernels keep fp32 statistics; float64 keeps its own
+            y, rstd = _aten_forward(x, weight, eps, offset, cast_before_weight)
+            return y.contiguous(), rstd.contiguous()
         y, rstd, _ = _triton_kernels.rmsnorm_fwd_triton(
             x, weight, eps, offset, cast_before_weight=cast_before_weight
         )
@@ -167,6 +178,10 @@ if HAS_TRITON:
 
     @add_rms_norm_op.register_kernel("cuda")
     def _add_rms_norm_cuda(x, residual, weight, eps, offset, cast_before_weight):
+        if x.dtype == torch.float64:
+            s = (x + residual).contiguous()
+            y, rstd = _aten_forward(s, weight, eps, offset, cast_before_weight)
+            return s, y.contiguous(), rstd.contiguous()
         y, rstd, s = _triton_kernels.rmsnorm_fwd_triton(
             x, weight, eps, offset, residual=residual, cast_before_weight=cast_before_weight
         )
@@ -174,6 +189,8 @@ if HAS_TRITON:
 
     @rms_norm_backward_op.register_kernel("cuda")
     def _rms_norm_backward_cuda(grad_y, x, weight, rstd, offset, grad_s):
+        if x.dtype == torch.float64:
+            return _aten_backward(grad_y, x, weight, rstd, offset, grad_s)
         dx, dw = _triton_kernels.rmsnorm_bwd_triton(grad_y, x, weight, rstd, offset, grad_s=grad_s)
         return dx, (dw if dw is not None else x.new_empty(0))
 
@@ -203,7 +220,7 @@ def _rms_norm_fake(x, weight, eps, offset, cast_before_weight):
     _check_weight(x, weight)
     return (
         x.new_empty(x.shape),
-        x.new_empty(x.shape[:-1], dtype=torch.float32),
+        x.new_empty(x.shape[:-1], dtype=_stat_dtype(x)),
     )
 
 
@@ -214,7 +231,7 @@ def _add_rms_norm_fake(x, residual, weight, eps, offset, cast_before_weight):
     return (
         x.new_empty(x.shape),
         x.new_empty(x.shape),
-        x.new_empty(x.shape[:-1], dtype=torch.float32),
+        x.new_empty(x.shape[:-1], dtype=_stat_dtype(x)),
     )
 
 

@@ -33,6 +33,8 @@ TRAINED = {
     "all-btp": {"switches": ALL_HEAD, "plan": "btp"},
     "all-whole-btp-block": {"switches": ALL_WHOLE, "plan": "btp", "unit": "block"},
 }
+#: a float64 model under btp: its norms' statistics, summed over the group, stay float64
+FLOAT64 = {"name": "all-whole-btp-float64", "switches": ALL_WHOLE, "plan": "btp", "dtype": "float64", "steps": 2}
 PLANTED = [
     # the rule off and verify off: the q/k norms' gradients are one rank's heads' alone
     {"name": "unfixed-no-verify", "switches": {"qk_norm": "head"}, "plan": "megatron", "unfixed": True, "steps": 1,
@@ -46,7 +48,7 @@ PLANTED = [
 def results(tmp_path_factory):
     from tp_head_param_worker import worker
 
-    scenarios = [{"name": name, **sc} for name, sc in TRAINED.items()] + PLANTED
+    scenarios = [{"name": name, **sc} for name, sc in TRAINED.items()] + PLANTED + [FLOAT64]
     return spawn_scenarios(worker, 2, scenarios, tmp_path_factory.mktemp("tp_head_params"))
 
 
@@ -100,3 +102,17 @@ def test_parallelize_refuses_a_rank_program_that_differs(results):
     for r in per_rank(results, "unfixed-refused"):
         assert r["message"].startswith("ParallelizeError: this rank's program does not compute the unsharded model"), r
         assert "q_norm.weight" in r["message"] or "k_norm.weight" in r["message"], r["message"]
+
+
+def test_a_float64_model_stays_float64_under_btp(results):
+    # The truth here is the unsharded float64 run itself (eager's error is 0), so the parity
+    # rule has nothing to scale: a float64 program that sums its partial results in another
+    # order stays within about 1e-14 of it, while a statistic rounded through fp32 (the online
+    # norm's .float() before it kept the input's dtype) is off by about 1e-7 and a missing term
+    # by far more. 1e-11 sits between the two.
+    for rank, r in enumerate(per_rank(results, FLOAT64["name"])):
+        assert r["missing_grads"] == []
+        for kind in ("loss", "grad"):
+            for step, (tested, eager) in enumerate(r["parity"][kind]):
+                assert eager == 0.0
+                assert tested <= 1e-11, f"rank {rank} {kind} step {step + 1}: {tested:.3e}"

@@ -648,3 +648,15 @@ def test_gpu_compiled_matches_eager(backend):
     got = run(torch.compile(_loss_fn, backend=backend, fullgraph=True))
     errors = {name: error_pair({name: got[name]}, {name: eager[name]}, {name: truth[name]}) for name in truth}
     assert_parity(errors, torch.bfloat16, f"rms_norm compiled with {backend}")
+
+
+def test_a_float64_input_keeps_float64_statistics():
+    # fp32 statistics are the kernel's promise for fp32 and narrower inputs; a float64 model
+    # would lose half its digits through them (about 1e-8 off instead of 1e-16)
+    x, w, _, g = _inputs((3, 5, 64), torch.float64)
+    got = _fwd_bwd(rms_norm, x, w, None, g)
+    ref = _fwd_bwd(_torch_rms_norm, x, w, None, g)
+    for name in ("y", "dx", "dw"):
+        assert got[name].dtype == torch.float64
+        err = ((got[name] - ref[name]).norm() / ref[name].norm()).item()
+        assert err < 1e-13, f"{name}: {err:.2e}"

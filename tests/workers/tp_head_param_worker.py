@@ -6,7 +6,9 @@ and the sharded, compiled copy on the same tokens and SGD steps, and reports the
 gathered gradients' error pairs of every step (conftest.error_pair; the test applies
 conftest.assert_parity), the parameters' ShardSpec roles and tp_localize's repairs. A scenario
 with ``"expect"`` reports the message parallelize_ refuses it with; ``"unfixed"`` runs it with the
-partial-gradient rule of tp_localize switched off (a planted bug)."""
+partial-gradient rule of tp_localize switched off (a planted bug); ``"dtype": "float64"`` runs
+the model in float64 throughout (``parity.Float64Program``), where the sharded program must equal
+the unsharded one to float64's rounding."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from tp_steps import sgd_steps
 import boost_compile as bc
 from boost_compile.backend import Recorder, compile_graph
 from boost_compile.config import BoostConfig
+from boost_compile.parity import Float64Program
 from boost_compile.passes import tp_localize
 
 SEQ, BATCH, VOCAB = 16, 2, 128
@@ -62,6 +65,9 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
     if "expect" in sc:
         return refusal(sc, tokens)
     ref = build(sc, tokens)
+    float64 = sc.get("dtype") == "float64"
+    if float64:
+        ref = ref.double()
     truth = fp64_copy(ref)
     model = copy.deepcopy(ref)
     options = sc.get("options", {})
@@ -76,7 +82,9 @@ def scenario(sc: dict[str, Any]) -> dict[str, Any]:
             compiled = model
         else:
             compiled = torch.compile(model, backend=backend)
-        parity, missing = sgd_steps(ref, truth, model, compiled, lambda m: m(tokens, tokens), sc.get("steps", 3))
+        # a float64 model runs float64 throughout: its norms' x.float() kept in float64
+        with Float64Program() if float64 else contextlib.nullcontext():
+            parity, missing = sgd_steps(ref, truth, model, compiled, lambda m: m(tokens, tokens), sc.get("steps", 3))
     localize = [r for g in rec.graphs for r in g.reports if r.name == "tp_localize"]
     return {
         "parity": parity,
