@@ -52,6 +52,7 @@ from boost_compile.bench.zoo_models import (
     architectures,
     build,
 )
+from boost_compile.parity import Float64Program
 
 #: Every class a result can have, in the order the summary lists them.
 CLASSES = ("exact", "refused", "skipped", "topk_flip", "WRONG", "MISSING_GRAD", "ERROR")
@@ -341,7 +342,8 @@ def run_one(model_type: str, inner: str = "aot_eager", reference: bool = True, o
             raise ZooSkip(f"eager fp32 loss is {eager[0].item()}")
         with _progress(result, "fp64", report):
             try:
-                truth = _step(truth_model, ids, result.loss, seed)
+                with Float64Program():  # the model's own fp32 casts kept in float64 (no fp32 rounding in the truth)
+                    truth = _step(truth_model, ids, result.loss, seed)
             except Exception as exc:  # noqa: BLE001
                 raise ZooSkip(f"eager float64 fails: {_one_line(exc)}") from exc
         for tap in taps:

@@ -61,6 +61,7 @@ from typing import Any
 
 from boost_compile.bench import zoo, zoo_models
 from boost_compile.bench.zoo_models import BATCH, SEQ, TOKEN_HIGH, TOKEN_LOW, ZooSkip, _one_line, architectures, build
+from boost_compile.parity import Float64Program
 
 STEPS, LR, SEED = 3, 0.1, 0
 DEFAULT_TIMEOUT = 300.0
@@ -345,7 +346,11 @@ def _references(ctx: Rank, model: Any, ids: Any) -> tuple[dict[str, Any], dict[s
                 run = copy.deepcopy(model)
             except Exception as exc:  # noqa: BLE001
                 raise ZooSkip(f"the model cannot be copied: {_one_line(exc)}") from exc
-            payloads[kind] = reference_steps(run.double() if kind == "fp64" else run, ids)
+            if kind == "fp64":
+                with Float64Program():
+                    payloads[kind] = reference_steps(run.double(), ids)
+            else:
+                payloads[kind] = reference_steps(run, ids)
         except ZooSkip as exc:  # zoo's "eager fails: ..." (the LM loss and the logsumexp both)
             text = str(exc)
             payloads[kind] = {"error": text.replace("eager fails", "eager float64 fails", 1) if kind == "fp64" else text}
