@@ -20,13 +20,22 @@ from torch import nn
 def repeated_blocks(model: nn.Module) -> tuple[str, list[str]] | None:
     """The container and names of the model's repeated blocks: the children of its largest
     ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` whose children are all of one class
-    (a decoder's ``layers``), by parameter count. None when it has none."""
+    (a decoder's ``layers``), by parameter count. None when it has none.
+
+    A container inside a numbered stack of layers of several classes (a hybrid's ``layers``:
+    Zamba 2's Mamba and shared-attention layers) is part of one of those layers, not the
+    model's blocks: such a model has none."""
     best: tuple[int, str, list[str]] | None = None
+    mixed: list[str] = []  # numbered stacks of several classes (named_modules: parents first)
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) or len(module) == 0:
             continue
+        if any(name.startswith(m + ".") for m in mixed):
+            continue
         children = list(module.named_children())
         if len({type(child) for _n, child in children}) != 1:
+            if isinstance(module, (nn.ModuleList, nn.Sequential)):
+                mixed.append(name)
             continue
         size = sum(p.numel() for p in module.parameters())
         names = [f"{name}.{child}" if name else child for child, _m in children]

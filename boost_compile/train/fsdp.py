@@ -12,7 +12,9 @@ as the unit after it starts its backward); its gradients are reduce-scattered as
     embeddings -> block 0 -> ... -> block n-1 -> [norm, head] -> root (the rest)
 
 A weight tied between the embedding and the head (one parameter in two modules) must be in one
-unit: both then stay in the root. Under ``trainer.precision=bf16-mixed`` the gathered weights are
+unit: both then stay in the root. Blocks that hold one parameter between them (Zamba 2 reaches one
+shared transformer from several layers) form one unit, gathered for each of them. Under
+``trainer.precision=bf16-mixed`` the gathered weights are
 bf16 and the gradients are reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``); the sharded
 weights the optimizer steps stay fp32. With ``parallel.dp > 1`` the mesh is 2-D (HSDP): each of
 ``dp`` replicas holds the model sharded over its ``dp_shard`` ranks, and gradients are
@@ -47,11 +49,38 @@ def fsdp_units(model: nn.Module) -> list[list[str]]:
     units: list[list[str]] = []
     embeddings = [n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and outside(n) and n not in tied]
     units += [[n] for n in embeddings]
-    units += [[b] for b in blocks]
+    units += _blocks_sharing_parameters(model, blocks)
     if head is not None and head not in tied:
         norm = _final_norm(model, blocks, head)
         units.append([norm, head] if norm is not None and norm not in tied else [head])
     return units
+
+
+def _blocks_sharing_parameters(model: nn.Module, blocks: list[str]) -> list[list[str]]:
+    """The blocks as units, in order: each alone, except blocks that hold one parameter between
+    them (Zamba 2's shared transformer, reached from several layers), which form one unit at
+    the first one's place (FSDP2 shards a parameter in one unit only)."""
+    first: dict[int, int] = {}  # a parameter's id -> the first block that holds it
+    group = list(range(len(blocks)))  # each block's unit: the first block it shares with
+
+    def root(i: int) -> int:
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i, name in enumerate(blocks):
+        for p in model.get_submodule(name).parameters():
+            j = first.setdefault(id(p), i)
+            a, b = root(i), root(j)
+            if a != b:
+                group[max(a, b)] = min(a, b)
+    units: dict[int, list[str]] = {}
+    for i, name in enumerate(blocks):
+        units.setdefault(root(i), []).append(name)
+    shared = [u for u in units.values() if len(u) > 1]
+    if shared:
+        log.info("FSDP2: blocks sharing parameters form one unit each: %s", "; ".join("+".join(u) for u in shared))
+    return list(units.values())
 
 
 def _tied_names(model: nn.Module) -> set[str]:

@@ -17,6 +17,23 @@ def test_the_decoder_layers_are_the_repeated_blocks():
     assert repeated_blocks(nn.Linear(2, 2)) is None
 
 
+def test_a_list_inside_one_layer_of_a_hybrid_stack_is_not_the_blocks():
+    # Zamba 2: a numbered stack of layers of two classes; one of them holds a uniform list of
+    # adapters, which would otherwise be the largest list of one class
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.adapters = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    hybrid = nn.Module()
+    hybrid.layers = nn.ModuleList([nn.Linear(4, 4), Mixer(), nn.Linear(4, 4)])
+    assert repeated_blocks(hybrid) is None
+    # a named container of several classes around the blocks (nanoGPT's transformer) is not a stack
+    gpt = nn.Module()
+    gpt.transformer = nn.ModuleDict({"wte": nn.Embedding(8, 4), "h": nn.ModuleList([Mixer(), Mixer()])})
+    assert repeated_blocks(gpt) == ("transformer.h", ["transformer.h.0", "transformer.h.1"])
+
+
 def test_first_blocks_shortens_the_list_while_inside_only():
     model = Llama(LlamaConfig.preset("tiny", n_layers=5))
     tokens = torch.zeros(1, 8, dtype=torch.long)
