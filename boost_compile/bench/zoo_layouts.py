@@ -12,13 +12,15 @@ float32 and its float64 copy (the truth), both on the whole global batch with th
 - ``tp2-btp``: ``bc.factorize_`` (rank ratio 0.25: every block linear a bottleneck) first, then
   ``plan="btp"``; the reference is the factorized model, the same weights.
 - ``fsdp2``: 2 ranks, data parallel: rank r runs row r of the (2, 16) batch. torchtitan's order:
-  the decoder blocks compiled one by one (``bc.compile_blocks``), then ``fully_shard`` on each
-  block and on the root. FSDP2 averages the gradients over the ranks; the model's loss is the
+  the decoder blocks compiled one by one (``bc.compile_blocks``), then FSDP2 as boost-train
+  applies it (``train.fsdp.shard_model``: the embedding, each block, the final norm with the head,
+  then the root; blocks that share a parameter one unit). A model that fails under FSDP2 with
+  no compile at all too is skipped with that error. FSDP2 averages the gradients over the ranks; the model's loss is the
   mean over its tokens, and every row holds as many, so the mean of the ranks' losses and
   gradients is the whole batch's (the loss compared is the ranks' mean).
 - ``tp2xfsdp2``: 4 ranks, a DeviceMesh ("dp_shard", "tp") of 2 x 2: megatron over ``tp``, the
   blocks compiled one by one (the whole model where ``compile_blocks`` refuses a TP model), FSDP2
-  over ``dp_shard`` on each block and the root; the two TP pairs run a batch row each. By default
+  over ``dp_shard`` as in ``fsdp2``; the two TP pairs run a batch row each. By default
   on :data:`SAMPLE` only (one architecture per construct).
 
 Each architecture ends in one class of :data:`zoo.CLASSES`; ``topk_flip`` where the first step
@@ -101,11 +103,12 @@ LAYOUTS: dict[str, Layout] = {
                             "torch.compile(model, backend='boost'); reference: the factorized model"),
     "fsdp2": Layout("fsdp2", 2, fsdp=True,
                     about="2 gloo ranks, data parallel (rank r: batch row r), blocks compiled one by one "
-                          "(compile_blocks, boost), then fully_shard per block and on the root; loss: the ranks' mean"),
+                          "(compile_blocks, boost), then FSDP2 as boost-train applies it (train.fsdp.shard_model: embedding, "
+                          "each block, norm+head, root); loss: the ranks' mean"),
     "tp2xfsdp2": Layout("tp2xfsdp2", 4, plan="megatron", fsdp=True, sample=SAMPLE,
                         about="4 gloo ranks, mesh (dp_shard 2, tp 2): parallelize_(plan='megatron') over tp, blocks "
-                              "compiled one by one (whole model where compile_blocks refuses), FSDP2 over dp_shard per "
-                              "block and root; each TP pair a batch row"),
+                              "compiled one by one (whole model where compile_blocks refuses), FSDP2 over dp_shard as "
+                              "boost-train applies it; each TP pair a batch row"),
 }
 
 
@@ -382,7 +385,7 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
 
     import boost_compile as bc
     from boost_compile import _torch_compat as compat
-    from boost_compile.train.fsdp import keep_tp_specs, tp_specs_by_name
+    from boost_compile.train.fsdp import tp_specs_by_name
 
     layout = ctx.layout
     options = {"inner": "aot_eager"}
@@ -396,7 +399,7 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
         ctx.stage(result, "compile")
         result.compiled = "whole"
         return torch.compile(model, backend="boost", options=options), specs
-    from torch.distributed.fsdp import fully_shard
+    from boost_compile.train.fsdp import shard_model
 
     blocks = _blocks(model)
     ctx.stage(result, "compile")
@@ -410,12 +413,31 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
         result.compiled = f"whole ({_one_line(exc)})"  # as boost-train does: a TP model whose code around the blocks
         fn = torch.compile(model, backend="boost", options=options)  # cannot run eagerly on its shards compiles whole
     ctx.stage(result, "shard")
-    for name in blocks:
-        fully_shard(model.get_submodule(name), mesh=ctx.dp_mesh)
-    fully_shard(model, mesh=ctx.dp_mesh)
-    if specs:
-        keep_tp_specs(model, blocks, specs)
+    shard_model(model, ctx.dp_mesh, "fp32", reshard_after_forward=True)  # boost-train's units (and its TP specs kept)
     return fn, specs
+
+
+def _fsdp_fails_eagerly(ctx: Rank, model_type: str, ids: Any, seed: int) -> str:
+    """Where a data-parallel layout's tested run failed: the same model under FSDP2 with no compile
+    at all, one step; its one-line error ("" where it runs). A model FSDP2 itself cannot run
+    (Reformer's reversible layers call a block's modules outside the block's forward, where FSDP2
+    has not gathered their weights) is skipped with that reason, not counted against boost."""
+    import torch
+
+    from boost_compile.train.fsdp import shard_model
+
+    status: tuple[str, str, str] | None = None
+    try:
+        model = build(model_type, seed)
+        _one_graph_experts(model)
+        _broadcast_weights(model)
+        shard_model(model, ctx.dp_mesh, "fp32", reshard_after_forward=True)
+        torch.manual_seed(seed)
+        zoo._call(model, ctx.local_rows(ids), "logits").backward()
+    except Exception as exc:  # noqa: BLE001
+        status = ("failed", _one_line(exc), "")
+    status = ctx.agree(status)
+    return "" if status is None else status[1]
 
 
 def _blocks(model: Any) -> list[str]:
@@ -547,6 +569,10 @@ def run_architecture(ctx: Rank, model_type: str, seed: int = SEED) -> LayoutResu
                 opt.step()
     result.verify = zoo._verify_notes(caught)
     result.graphs = int(counters["stats"]["unique_graphs"]) if result.compiled else None  # None: not compiled
+    if status is not None and status[0] == "ERROR" and ctx.layout.fsdp and ctx.layout.plan is None:
+        eager_error = _fsdp_fails_eagerly(ctx, model_type, ids, seed)
+        if eager_error:
+            status = ("skipped", f"FSDP2 fails without boost too (no compile): {eager_error}", "")
     if status is not None:
         return finish(status)
     if ctx.rank != 0:
