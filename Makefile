@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: train test test-quick lint explain bench bench-compile zoo-layouts clean
+.PHONY: train test test-extended test-quick lint explain bench bench-compile zoo-layouts clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,10 +17,17 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m boost_compile.train trainer.threads=1
 
-# the whole suite (tests/unit, tests/distributed) with its 25 slowest tests listed;
-# PYTEST_ARGS adds to it, e.g. make test PYTEST_ARGS=tests/unit for the quick loop
+# the suite (tests/unit, tests/distributed, tests/integrations) less the tests marked extended,
+# with its 25 slowest tests listed (within 20 minutes of a fresh clone on 2 cores, venv included);
+# PYTEST_ARGS adds to it, e.g. make test PYTEST_ARGS=tests/unit
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not extended" --durations=25 $(PYTEST_ARGS)
+
+# the tests marked extended: further layouts, model styles and compilers of claims make test
+# checks once (the style matrix under TP, FSDP2's and PP's products, resumes, SLURM sweeps);
+# CI runs them after make test
+test-extended: $(STAMP)
+	$(PY) -m pytest -q -m extended --durations=25 $(PYTEST_ARGS)
 
 # the loop between edits: the passes, the analysis, verify and parity on aot_eager, no
 # Inductor compile, no training run and no second process (under 4 minutes cold on 2 cores)

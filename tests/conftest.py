@@ -52,6 +52,12 @@ for _folder in ("workers", "models"):
 from boost_compile.parity import PARITY, TINY  # noqa: E402
 
 
+def extended_deselected(config: pytest.Config) -> bool:
+    """Whether this run leaves out the tests marked extended (``make test``: ``-m "not extended"``):
+    a fixture that spawns scenarios for every test of its file need not run theirs."""
+    return "not extended" in (config.getoption("markexpr") or "")
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Every test starts and ends with empty Dynamo caches (no recompile-limit noise)."""

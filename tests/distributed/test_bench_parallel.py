@@ -12,6 +12,8 @@ from boost_compile.costmodel import scale_model
 from boost_compile.costmodel.scale_model import layernorm_statistic_bytes
 from boost_compile.models import Llama, LlamaConfig
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 SEQ, BATCH, MICRO = 16, 4, 2
 
 

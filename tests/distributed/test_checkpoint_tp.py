@@ -30,6 +30,8 @@ FUSED = (
 #: a fixed vocabulary the TP degree does not divide: the vocabulary-parallel head is padded
 PADDED = (*FAST, "model=tiny", "+model.overrides.vocab_size=257")
 MODELS = {"fused": FUSED, "padded": PADDED}
+#: the second model runs with make test-extended (its padded, whole-compiled form); make test runs the first
+EXTENDED_MODELS = {"padded"}
 #: the tensor of each model whose shards are no DTensor Shard: its checkpoint key, whole shape,
 #: and the (offset, rows) runs on the shard dim that the two ranks save: the halves of the whole
 #: (the fused weight's parts gathered in order), the padded head's without its padding row
@@ -62,7 +64,8 @@ class Runs:
         return Path(summary["run_dir"]) / "checkpoints" / "step_000003"
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
+@pytest.fixture(scope="module", params=[pytest.param(m, marks=pytest.mark.extended) if m in EXTENDED_MODELS else m
+                                        for m in sorted(MODELS)])
 def runs(request, tmp_path_factory) -> Runs:
     if not tp_available():
         pytest.skip("boost_compile.parallelize_ is not in this build")

@@ -74,6 +74,7 @@ def test_a_worker_killed_between_checkpoints(straight, references, tmp_path):
     check_recovered(out, summary, straight, references, resumed_step=4)
 
 
+@pytest.mark.extended
 def test_a_save_killed_midway_is_never_resumed_from(straight, references, tmp_path):
     """Rank 0 SIGKILLed inside the save of step 4, after every shard file and before .metadata:
     step_000004 never becomes the newest checkpoint; the restart resumes from step 2 and
@@ -86,6 +87,7 @@ def test_a_save_killed_midway_is_never_resumed_from(straight, references, tmp_pa
     assert "removing" in log and "step_000004, an incomplete save" in log, log[-3000:]
 
 
+@pytest.mark.extended
 def test_a_hung_peer_ends_the_run_and_the_restart_finishes_it(straight, references, tmp_path):
     """Rank 1 stops answering before step 3: rank 0's gradient all-reduce times out after
     parallel.timeout_s, its error names the rank, the step and the collective, the launcher

@@ -20,6 +20,8 @@ import os
 import pytest
 from conftest import assert_parity
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 SCENARIOS = [
     {"name": "btp", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "explain": True},
     {"name": "btp-shard-logits", "preset": "tiny", "plan": "btp", "schedule": "1f1b", "shard_logits": True,

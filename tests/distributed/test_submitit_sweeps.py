@@ -18,6 +18,8 @@ from conftest import FAST, torchrun
 from boost_compile.train.app import summary_rows
 from boost_compile.train.validate import tp_available
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 TP2 = (*FAST, "model=tiny-dense", "factorize=svd25", "parallel=tp2", "passes=boost_aot_eager", "trainer.steps=4",
        "checkpoint=off")
 RATIOS = ("0.125", "0.25")

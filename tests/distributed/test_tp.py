@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch.multiprocessing as mp
-from conftest import ParityError, assert_parity
+from conftest import ParityError, assert_parity, extended_deselected
 
 BF16 = 2
 T = 2 * 16  # tokens per micro-batch in tp_worker (BATCH * SEQ)
@@ -129,15 +129,26 @@ PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp",
             "unit": "block"}]
 
 
+BLOCKS = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
+#: the scenarios only tests marked extended read (make test-extended): the style matrix, per block, deep
+EXTENDED = {s["name"] for s in STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS}
+
+
+def params(names):
+    """``names`` for parametrize, those of :data:`EXTENDED` scenarios marked extended."""
+    return [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in names]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
     from tp_worker import worker
 
     folder = tmp_path_factory.mktemp("tp")
     store, out = str(folder / "store"), str(folder / "results.json")
-    blocks = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
-    mp.spawn(worker, args=(2, store, SCENARIOS + STYLE_SCENARIOS + blocks + DEEP_SCENARIOS + VOCAB_LOGITS + PLANTED,
-                                  out), nprocs=2, join=True)
+    scenarios = SCENARIOS + VOCAB_LOGITS + PLANTED
+    if not extended_deselected(request.config):
+        scenarios += STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS
+    mp.spawn(worker, args=(2, store, scenarios, out), nprocs=2, join=True)
     with open(out) as f:
         return json.load(f)
 
@@ -156,7 +167,7 @@ def test_matches_single_process(results, name):
     assert_parity(r["parity"], r["dtype"], name)
 
 
-@pytest.mark.parametrize("name", sorted(BLOCK_SCENARIOS))
+@pytest.mark.parametrize("name", params(sorted(BLOCK_SCENARIOS)))
 def test_block_by_block_matches_single_process(results, name):
     """Per block, under the same rule as whole: every gradient there, identical blocks one graph."""
     r = ok(results, name)
@@ -170,6 +181,7 @@ def test_block_by_block_matches_single_process(results, name):
         assert check["refused"] == 0
 
 
+@pytest.mark.extended
 def test_explain_per_block_under_tp(results):
     """explain(unit="block") of a model sharded with btp (a copy that keeps every shard's spec): the
     one block graph, shown once with both blocks that run it, is this rank's program (the check
@@ -186,7 +198,7 @@ def test_explain_per_block_under_tp(results):
     assert "outside the blocks" not in text
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in DEEP_SCENARIOS])
+@pytest.mark.parametrize("name", params(s["name"] for s in DEEP_SCENARIOS))
 def test_deep_models_are_sharded_from_their_first_blocks(results, name):
     """A 5-layer model: parallelize_ captures 2 blocks (fewer nodes checked than a capture of all
     5), gives every parameter the spec the whole capture gives, and matches one process."""
@@ -223,7 +235,7 @@ def test_planted_bug_fails_the_rule(results):
         assert_parity(r["parity"], r["dtype"], "one all-reduce removed")
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in STYLE_SCENARIOS])
+@pytest.mark.parametrize("name", params(s["name"] for s in STYLE_SCENARIOS))
 def test_style_matches_single_process(results, name):
     r = ok(results, name)
     assert r["missing_grads"] == []
@@ -236,6 +248,7 @@ def test_style_matches_single_process(results, name):
     assert f"{check['checked']} nodes checked against the unsharded graph, {check['repaired']} repaired" in line
 
 
+@pytest.mark.extended
 def test_online_layernorm(results):
     """Every block LayerNorm of a low-rank nanoGPT rides in its down factor's all-reduce: one
     forward all-reduce per down factor, as with RMSNorm, each carrying the fp32 statistics
@@ -255,6 +268,7 @@ def test_online_layernorm(results):
         assert len(packed) == 2 * 2 and all(width > 1 + p for _rows, width in packed), [c["shape"] for c in reduces]
 
 
+@pytest.mark.extended
 def test_weightless_norms_find_their_place(results):
     """modded-nanogpt's weightless norms: the four block norms online in the down factors'
     all-reduce, the embedding's norm on the sharded stream with its own [T] statistic, the q/k
@@ -288,7 +302,7 @@ REPAIRS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(REPAIRS))
+@pytest.mark.parametrize("name", params(sorted(REPAIRS)))
 def test_shape_arguments_repaired(results, name):
     r = ok(results, name)
     assert r["check"]["parallelize"]["repaired"] == REPAIRS[name], r["check"]["repairs"]
@@ -297,7 +311,8 @@ def test_shape_arguments_repaired(results, name):
         assert sum("split sizes 64 -> 32" in line for line in r["check"]["repairs"]) == 2
 
 
-@pytest.mark.parametrize("name", ["nanogpt-fused-lowrank-btp", "hf-llama-tied-lowrank-btp", "hf-gemma-lowrank-btp", "cola-tied-btp"])
+@pytest.mark.parametrize("name", params(["nanogpt-fused-lowrank-btp", "hf-llama-tied-lowrank-btp", "hf-gemma-lowrank-btp",
+                                         "cola-tied-btp"]))
 def test_tied_embedding_is_sliced_once(results, name):
     # the tied table stays whole; its output is sliced where it enters the d-sharded stream,
     # once, and the stream is gathered once before the final norm (Hugging Face models also
@@ -306,6 +321,7 @@ def test_tied_embedding_is_sliced_once(results, name):
     assert (check["scatters"], check["gathers"]) == (1, 1 + (4 if name.startswith("hf-") else 0))
 
 
+@pytest.mark.extended
 def test_megatron_tied_needs_no_slicing(results):
     check = ok(results, "dense-tied-megatron")["check"]["compile"][0]
     assert (check["scatters"], check["gathers"], check["repaired"]) == (0, 0, 0)
@@ -384,7 +400,7 @@ VOCAB_PARALLEL = ["cola-btp", "dense-megatron", "lowrank-btp", "hf-factorized-bt
 RETURN_LOGITS = {"hf-factorized-btp", "hf-qwen2-lowrank-btp", "hf-qwen2-dense-megatron"}
 
 
-@pytest.mark.parametrize("name", VOCAB_PARALLEL)
+@pytest.mark.parametrize("name", params(VOCAB_PARALLEL))
 def test_vocab_parallel_loss(results, name):
     r = ok(results, name)
     (check,) = r["check"]["compile"]
@@ -413,7 +429,8 @@ def test_explain_lists_head_and_loss_collectives(results):
     assert bwd.startswith(f"- outside the blocks (embedding, final norm, head, loss): 1 collectives, {T * d * FP32:,} bytes")
 
 
-@pytest.mark.parametrize("name", ["meta-llama-lowrank-btp", "meta-llama-dense-megatron", "hf-phi3-lowrank-btp", "hf-phi3-dense-megatron"])
+@pytest.mark.parametrize("name", params(["meta-llama-lowrank-btp", "meta-llama-dense-megatron", "hf-phi3-lowrank-btp",
+                                         "hf-phi3-dense-megatron"]))
 def test_returned_logits_are_gathered(results, name):
     # the loss is computed outside the graph from the logits it returns: the head is still
     # cut on the vocabulary, and the logits are gathered whole for the caller
@@ -481,6 +498,7 @@ def test_btp_bf16_packing_bytes(results):
         assert reduce_bytes(r["collectives"]["backward"]) == n * T * (4 * ra + 3 * rm) * BF16 + T * d * BF16
 
 
+@pytest.mark.extended
 def test_lax_sends_what_cola_sends(results):
     """LaX under btp: the latent is whole on every rank after its down factor's all-reduce, so
     the crossing adds no collective: forward sends btp's bytes per layer (the [T, r] sums and the
@@ -581,7 +599,7 @@ def test_verify_checks_the_rank_program(results, name):
     assert r["verify_warnings"] == [] and r["dropped"] == []
 
 
-@pytest.mark.parametrize("name", sorted(BLOCK_SCENARIOS))
+@pytest.mark.parametrize("name", params(sorted(BLOCK_SCENARIOS)))
 def test_verify_checks_each_block_program(results, name):
     """Per block under btp a block takes and returns this rank's slice of the stream: its input is
     gathered for the reference, and its output's cotangent and its input's gradient are this rank's

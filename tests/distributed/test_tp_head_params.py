@@ -14,7 +14,7 @@ its float64 copy; with the rule switched off, the same check fails and paralleli
 from __future__ import annotations
 
 import pytest
-from conftest import ParityError, assert_parity
+from conftest import ParityError, assert_parity, extended_deselected
 from scenario_runner import per_rank, spawn_scenarios
 
 ALL_HEAD = {"qk_norm": "head", "sinks": True, "score_scale": True, "head_bias": True}
@@ -33,6 +33,8 @@ TRAINED = {
     "all-btp": {"switches": ALL_HEAD, "plan": "btp"},
     "all-whole-btp-block": {"switches": ALL_WHOLE, "plan": "btp", "unit": "block"},
 }
+#: compiled block by block: make test-extended (make test runs the same constructs on the whole model)
+EXTENDED = {"all-megatron-block", "all-whole-megatron-block", "all-whole-btp-block"}
 #: a float64 model under btp: its norms' statistics, summed over the group, stay float64
 FLOAT64 = {"name": "all-whole-btp-float64", "switches": ALL_WHOLE, "plan": "btp", "dtype": "float64", "steps": 2}
 PLANTED = [
@@ -45,14 +47,15 @@ PLANTED = [
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
     from tp_head_param_worker import worker
 
-    scenarios = [{"name": name, **sc} for name, sc in TRAINED.items()] + PLANTED + [FLOAT64]
+    skip = EXTENDED if extended_deselected(request.config) else set()
+    scenarios = [{"name": name, **sc} for name, sc in TRAINED.items() if name not in skip] + PLANTED + [FLOAT64]
     return spawn_scenarios(worker, 2, scenarios, tmp_path_factory.mktemp("tp_head_params"))
 
 
-@pytest.mark.parametrize("name", sorted(TRAINED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in sorted(TRAINED)])
 def test_trains_like_one_process(results, name):
     for rank, r in enumerate(per_rank(results, name)):
         assert r["missing_grads"] == [], r["missing_grads"]
@@ -87,6 +90,10 @@ def test_a_norm_over_the_whole_projection_is_cut_like_it(results):
         for norm in ("q_norm", "k_norm"):
             assert r["roles"][f"layers.{block}.self_attn.{norm}.weight"] == "shard"
     assert _summed(r) == []
+
+
+@pytest.mark.extended
+def test_per_block_the_norm_is_cut_in_the_one_block_graph(results):
     r = per_rank(results, "all-whole-btp-block")[0]
     assert r["roles"]["layers.0.self_attn.q_norm.weight"] == "shard"
     assert r["graphs"] == 1  # the blocks share one compiled graph

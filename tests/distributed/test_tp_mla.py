@@ -14,6 +14,8 @@ import pytest
 from conftest import assert_parity
 from scenario_runner import per_rank, spawn_scenarios
 
+pytestmark = pytest.mark.extended  # make test-extended (CI runs it after make test)
+
 SCENARIOS = [
     {"name": "v3-megatron", "model": "v3", "plan": "megatron"},
     {"name": "v2-megatron", "model": "v2", "plan": "megatron", "steps": 2},

@@ -72,6 +72,7 @@ def test_fsdp2_matches_single_process(fsdp2, references):
     assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
 
 
+@pytest.mark.extended
 def test_fsdp2_holds_half_of_one_process_state(fsdp2, single):
     """Weights, gradients and AdamW state per rank (measured: the bytes of each rank's local
     shards) within 10% of half of one process's."""
@@ -81,11 +82,13 @@ def test_fsdp2_holds_half_of_one_process_state(fsdp2, single):
         assert mine[term] == pytest.approx(whole[term] / 2, rel=0.10), term
 
 
+@pytest.mark.extended
 def test_fsdp2_with_lowrank_checkpointing(references, tmp_path):
     run_ = torchrun(2, [*FSDP2, "++passes.options.checkpoint=lowrank", "checkpoint.enabled=false"], tmp_path / "ckpt")
     assert_train_parity(run_, references, "fsdp2, checkpoint=lowrank")
 
 
+@pytest.mark.extended
 def test_hsdp_2x2_matches_single_process(references, single, tmp_path):
     """Two replicas of the model sharded over two ranks each (one sequence a rank): the gradients
     reduce-scattered within a replica and all-reduced across the two; each rank holds half of one
@@ -96,6 +99,7 @@ def test_hsdp_2x2_matches_single_process(references, single, tmp_path):
     assert run4["state_mib"]["optimizer"] == pytest.approx(single["state_mib"]["optimizer"] / 2, rel=0.10)
 
 
+@pytest.mark.extended
 def test_fsdp2_bf16_mixed_gathers_bf16_and_reduces_in_fp32(tmp_path):
     """trainer.precision=bf16-mixed: FSDP2's MixedPrecisionPolicy (bf16 weights gathered, fp32
     gradient reduction, fp32 shards stepped) against one process's bf16-mixed (autocast) run, under
@@ -115,6 +119,8 @@ def test_tp2_megatron_by_fsdp2_matches_single_process(tmp_path):
     assert_train_parity(run4, references, "tp2 megatron x fsdp2")
 
 
+@pytest.mark.extended
+@pytest.mark.extended
 @pytest.mark.parametrize("layout", [("parallel=hsdp2x2",),
                                     ("parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=btp", "trainer.local_batch=1")],
                          ids=["hsdp2x2", "tp2-btp-x-fsdp2"])
@@ -123,6 +129,7 @@ def test_four_rank_layouts_with_lowrank_checkpointing(references, layout, tmp_pa
     assert_train_parity(run4, references, f"{' '.join(layout)}, checkpoint=lowrank")
 
 
+@pytest.mark.extended
 def test_fsdp4_holds_a_quarter_of_one_process_state(references, single, tmp_path):
     run4 = torchrun(4, [*ONE, "parallel.dp_shard=4", "checkpoint.enabled=false"], tmp_path / "fsdp4")
     assert_train_parity(run4, references, "fsdp 4")
@@ -132,6 +139,7 @@ def test_fsdp4_holds_a_quarter_of_one_process_state(references, single, tmp_path
         assert mine[term] == pytest.approx(whole[term] / 4, rel=0.10), term
 
 
+@pytest.mark.extended
 def test_the_next_blocks_gather_is_issued_during_this_ones_forward():
     """A profile of FSDP2 over 2 gloo ranks (boost_compile.bench.fsdp_overlap): each block's forward
     issues the next block's all-gather before it ends (train/fsdp.py prefetch), which FSDP2 alone
@@ -145,6 +153,7 @@ def test_the_next_blocks_gather_is_issued_during_this_ones_forward():
     assert prefetched["verdicts"]["backward"]["issued_before_backward_ends"], prefetched["verdicts"]
 
 
+@pytest.mark.extended
 def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
     """Step 3's checkpoint (each rank's DTensor shards) resumes within the parity rule in one process
     and under DDP; DDP's step-3 checkpoint resumes under FSDP2. (Exactly under FSDP2 again:
@@ -162,6 +171,7 @@ def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
     assert_train_parity(back, references, "FSDP2 from the DDP checkpoint", first=3)
 
 
+@pytest.mark.extended
 def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single, tmp_path):
     """btp over TP pairs, FSDP2 over the pairs (4 ranks): FSDP2 shards each rank's TP shard
     further (the TP spec kept on the parameters it makes, for the backend's TP passes), with
@@ -188,6 +198,7 @@ def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single,
     assert_train_parity(one, references, "one process from the tp2 x fsdp2 checkpoint", first=3)
 
 
+@pytest.mark.extended
 def test_pp2_by_fsdp2_matches_single_process_and_resumes_in_one(references, tmp_path):
     """Two pipeline stages, each sharded by FSDP2 over 2 ranks (4 ranks, 1F1B, 2 micro-batches, low-rank
     checkpointing): PyTorch's PipelineStage runs every micro-batch's backward unreduced and reduce-scatters
@@ -207,6 +218,7 @@ WIDE_LAX = ("model=tiny-lax", "+model.overrides.dim=256", "+model.overrides.n_la
             "+model.overrides.rank_attn=64", "+model.overrides.rank_mlp=64", "trainer.batch=2", "trainer.seq=32")
 
 
+@pytest.mark.extended
 def test_auto_trains_under_fsdp2_where_ddp_and_zero1_do_not_fit(tmp_path):
     """parallel=auto on 2 processes with 22.5 MiB per device: the planner prices DDP (51 MiB) and ZeRO-1
     (38 MiB) over the cap, a pipeline cannot carry LaX, and FSDP2 fits and beats TP2; boost-train trains
@@ -223,6 +235,7 @@ def test_auto_trains_under_fsdp2_where_ddp_and_zero1_do_not_fit(tmp_path):
     assert result["state_mib"]["total"] < cap_mib < 2 * result["state_mib"]["total"], (result["state_mib"], cap_mib)
 
 
+@pytest.mark.extended
 def test_fsdp2_restarts_after_a_killed_worker(fsdp2, tmp_path):
     """Rank 1 SIGKILLed after step 5 (checkpoints at 3 and 6): torchrun restarts the group, which
     resumes (trainer.resume=auto) from step 3's shards and ends with the uninterrupted run's losses."""

@@ -59,6 +59,7 @@ def test_dp2_matches_single_process(ddp, references):
     assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
 
 
+@pytest.mark.extended
 def test_dp2_whole_model_matches_single_process(references, tmp_path):
     """passes.unit=model with low-rank checkpointing: the whole model as one graph under DDP (no
     bucket cuts, the all-reduces after the backward) computes the same steps, its 2 sequences a
@@ -89,6 +90,7 @@ def test_tp2_matches_single_process_and_resumes(references, tmp_path):
     assert sorted(states) == [0, 1] and torch.equal(states[0], states[1])
 
 
+@pytest.mark.extended
 def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, zero, references):
     assert_train_parity(zero, references, "dp2, zero=1, checkpoint=lowrank")
     mine, theirs = zero["state_mib"], ddp["state_mib"]
@@ -100,6 +102,7 @@ def test_zero1_matches_ddp_with_half_the_optimizer_state(ddp, zero, references):
     assert 0.4 * theirs["optimizer"] <= mine["optimizer"] <= 0.6 * theirs["optimizer"]
 
 
+@pytest.mark.extended
 def test_zero1_checkpoint_resumes_exactly(zero, references, tmp_path):
     """Each rank saves the state of its own share; resumed with ZeRO (the shares rebuilt) steps
     4-6 are the uninterrupted run's; in one process (every share read), within the parity rule."""
@@ -112,6 +115,7 @@ def test_zero1_checkpoint_resumes_exactly(zero, references, tmp_path):
     assert_train_parity(single, references, "one process from the zero=1 checkpoint", first=3)
 
 
+@pytest.mark.extended
 def test_zero1_with_tensor_parallelism(ddp, references, tmp_path):
     """TP2 x DP2 with zero=1: each TP rank's shards have their AdamW state split over its dp pair;
     each rank's 2 sequences as 2 micro-steps of gradient accumulation (the TP graph traced and

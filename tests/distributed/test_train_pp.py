@@ -49,12 +49,14 @@ def test_pp2_1f1b_matches_single_process(pp2, references20):
     assert_train_parity(pp2, references20, "pp2 1f1b")
 
 
+@pytest.mark.extended
 def test_pp2_interleaved_1f1b_matches_single_process(references4l, tmp_path):
     pp = torchrun(2, [*BASE, FOUR_LAYERS, "trainer.steps=4", "parallel.pp=2", "parallel.microbatches=4",
                       "parallel.pp_schedule=interleaved_1f1b", "parallel.stages_per_rank=2"], tmp_path / "ppi")
     assert_train_parity(pp, references4l, "pp2 interleaved_1f1b (4 stages)")
 
 
+@pytest.mark.extended
 def test_pp2_gradient_accumulation_matches_single_process(references4l, tmp_path):
     """PP2 1F1B: each step's 4 sequences as 2 micro-steps of 2 (trainer.local_batch), each split
     into 2 pipeline micro-batches; the gradients add up over both schedule runs."""
@@ -64,6 +66,7 @@ def test_pp2_gradient_accumulation_matches_single_process(references4l, tmp_path
     assert_train_parity(pp, references4l, "pp2 1f1b, 2 micro-steps of 2")
 
 
+@pytest.mark.extended
 def test_pp2_dp2_zero1_matches_single_process(references4l, tmp_path):
     """PP2 x DP2, the optimizer state of each stage sharded over its dp pair (parallel.zero=1), the
     blocks cut unevenly by hand (1 + 3); each stage's gradients averaged over dp in buckets of 16 KiB,
@@ -78,6 +81,7 @@ def test_pp2_dp2_zero1_matches_single_process(references4l, tmp_path):
     assert_train_parity(pp, references4l, "pp2 x dp2, zero=1")
 
 
+@pytest.mark.extended
 def test_pp2_checkpoint_resumes_exactly(pp2, references20, tmp_path):
     """Each stage saves its own parameters under the whole model's names: a pipeline run and a
     one-process run both continue from the pipeline's checkpoint as the uninterrupted run does."""

@@ -6,7 +6,10 @@ process and its float64 copy (``make zoo-layouts`` runs every architecture).
 Under megatron: Qwen3 (q/k norms over head_dim, one weight shared by the heads: its gradient summed
 over the group), OLMo 2 (q/k norms over all heads: cut like the projection, the statistic summed),
 gpt-oss (per-head attention sinks cut by heads, experts), Cohere (an interleaved rotary written with
-``stack``), Apertus (xIELU's scalar parameters in the sharded MLP). Each must come out ``exact``.
+``stack``), Apertus (xIELU's scalar parameters in the sharded MLP), DeepSeek-V3 (latent attention
+and experts; tests/distributed/test_tp_mla.py, marked extended, has the MLA variants). Under FSDP2
+as boost-train applies it, blocks compiled one by one: Gemma 3 (sliding windows, q/k norms) and
+Mixtral (experts). Each must come out ``exact``.
 The same constructs under btp, whole model and per block, are tests/distributed/test_tp_head_params.py's
 (one process group for both plans there; a second group here would cost its start-up)."""
 
@@ -16,7 +19,8 @@ import pytest
 
 from boost_compile.bench import zoo_layouts as zl
 
-SAMPLE = {"tp2-megatron": ("qwen3", "olmo2", "gpt_oss", "cohere", "apertus")}
+SAMPLE = {"tp2-megatron": ("qwen3", "olmo2", "gpt_oss", "cohere", "apertus", "deepseek_v3"),
+          "fsdp2": ("gemma3_text", "mixtral")}
 
 
 @pytest.mark.parametrize("layout", sorted(SAMPLE))

@@ -187,7 +187,7 @@ def test_parity_aot_eager(name, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m == "lowrank" else pytest.param(m, marks=pytest.mark.extended) for m in MODES])
 def test_parity_inductor(mode):
     assert_parity(run("tiny-1", mode, "inductor"), "tiny-1")
     if mode == "lowrank":  # the same tensors as under aot_eager (Inductor may keep the 2-D GEMM output)

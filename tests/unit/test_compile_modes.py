@@ -217,6 +217,7 @@ def test_fx_graph_cache_keeps_option_sets_apart() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_max_autotune_parity_on_cpu() -> None:
     """``torch.compile(model, backend="boost", mode="max-autotune")`` on the tiny CoLA model:
     the loss and every gradient follow the parity rule (conftest.assert_parity)."""

@@ -22,11 +22,6 @@ from boost_compile.models import Llama, LlamaConfig
 REFERENCE_PRESETS = ("tiny-dense", "tiny-lowrank", "tiny")  # "tiny" is CoLA
 BATCH, SEQ, VOCAB = 2, 16, 256
 
-INNERS = [
-    pytest.param("aot_eager", id="aot_eager"),
-    pytest.param("inductor", id="inductor", marks=pytest.mark.slow),
-]
-
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -45,8 +40,12 @@ def _check_parity(model, compile_fn, loss_fn) -> None:
     check_against_eager(model, compile_fn, lambda m, _: loss_fn(m))
 
 
-@pytest.mark.parametrize("inner", INNERS)
-@pytest.mark.parametrize("preset", REFERENCE_PRESETS)
+@pytest.mark.parametrize(("preset", "inner"), [
+    *(pytest.param(p, "aot_eager", id=f"{p}-aot_eager") for p in REFERENCE_PRESETS),
+    # Inductor on the low-rank model here, the other two with make test-extended
+    *(pytest.param(p, "inductor", id=f"{p}-inductor",
+                   marks=[pytest.mark.slow] + ([] if p == "tiny-lowrank" else [pytest.mark.extended])) for p in REFERENCE_PRESETS),
+])
 def test_reference_model_parity(preset: str, inner: str) -> None:
     tokens, targets = _batch()
     _check_parity(_reference_model(preset),
@@ -59,7 +58,7 @@ def test_reference_model_parity(preset: str, inner: str) -> None:
     [
         pytest.param("aot_eager", "sdpa", id="aot_eager-sdpa"),
         pytest.param("aot_eager", "eager", id="aot_eager-eager_attn"),
-        pytest.param("inductor", "sdpa", id="inductor-sdpa", marks=pytest.mark.slow),
+        pytest.param("inductor", "sdpa", id="inductor-sdpa", marks=[pytest.mark.slow, pytest.mark.extended]),
     ],
 )
 def test_hf_llama_parity(inner: str, attn: str) -> None:

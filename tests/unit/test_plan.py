@@ -108,7 +108,7 @@ def saved_per_token(preset: str, mode: str, inner: str) -> tuple[float, float]:
     ("tiny", "lowrank", "aot_eager"), ("tiny", "full", "aot_eager"), ("tiny-dense", "lowrank", "aot_eager"),
     ("tiny-lowrank", "lowrank", "aot_eager"),
     # without checkpointing the inner compiler's partitioner decides: Inductor's min-cut
-    pytest.param("tiny", "none", "inductor", marks=pytest.mark.slow),
+    pytest.param("tiny", "none", "inductor", marks=[pytest.mark.slow, pytest.mark.extended]),
 ])
 def test_saved_activations_are_what_the_partitioned_graph_keeps(preset, mode, inner):
     measured, predicted = saved_per_token(preset, mode, inner)

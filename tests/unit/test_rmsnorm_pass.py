@@ -45,8 +45,11 @@ def aten_count(graph, kind, op):
     return r.details["op_counts"].get(op, 0)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-dense"])
-@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("preset", "inner"), [
+    ("tiny", "aot_eager"), ("tiny-dense", "aot_eager"),
+    pytest.param("tiny", "inductor", marks=pytest.mark.slow, id="inductor-tiny"),
+    pytest.param("tiny-dense", "inductor", marks=[pytest.mark.slow, pytest.mark.extended], id="inductor-tiny-dense"),
+])
 def test_reference_models(preset, inner):
     torch.manual_seed(0)
     model = Llama(LlamaConfig.preset(preset))
