@@ -371,3 +371,14 @@ def resolve_process_group(group_name: str) -> Any:
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """``mesh``'s dims as one dim called ``name``, reachable from the root mesh as ``root[name]``."""
     return mesh._flatten(name)
+
+
+def dtensor_local_box(t: Any) -> tuple[slice, ...] | None:
+    """The slice of a DTensor's whole that this rank holds, one ``slice`` per dim (None for a plain
+    tensor): DTensor's own rule for uneven shards, from ``torch.distributed.tensor._utils``."""
+    if not hasattr(t, "device_mesh") or not hasattr(t, "placements"):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))

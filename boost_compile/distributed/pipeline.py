@@ -363,8 +363,10 @@ def split_model(
     *,
     layers_per_stage: Sequence[int] | None = None,
     costs: Sequence[float] | None = None,
+    memo: dict[int, Any] | None = None,
 ) -> nn.Module:
     """A deep copy of stage ``stage_index`` of ``num_stages``: its blocks, plus embedding / norm + head.
+    ``memo``: ``copy.deepcopy``'s, filled with each copied object's copy by the original's id.
 
     The cut is :func:`stage_layers` (``layers_per_stage``, else ``costs``, else
     :func:`model_costs` of ``model``). ``model`` itself is left untouched. A head
@@ -395,7 +397,7 @@ def split_model(
         pieces["norm"], pieces["head"] = parts["norm"], parts["head"]
     if parts["kind"] == "hf":
         pieces["rotary"] = parts["rotary"]
-    pieces = copy.deepcopy(pieces)  # one copy: weights shared between kept pieces stay shared
+    pieces = copy.deepcopy(pieces, memo)  # one copy: weights shared between kept pieces stay shared
     # the stream between stages: the embedding's width
     pieces["hidden"] = parts["embed"].weight.shape[1]
     if parts["kind"] == "boost":

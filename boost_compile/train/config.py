@@ -81,6 +81,13 @@ class ModelConfig:
     """An inline Hugging Face config (``{model_type: llama, hidden_size: 64, ...}``)."""
     pretrained: bool = False
     """Load the weights of ``hf_path`` (else only its config)."""
+    init: str = "per_parameter"
+    """How a randomly initialised model gets its first weights. ``per_parameter``: built on the
+    meta device, each parameter's values a function of ``trainer.seed`` and its name, each rank
+    computing only the slice it holds (FSDP2's shard, its pipeline stages): every layout starts
+    from bitwise the same weights, and no rank ever holds the whole model where the layout shards
+    it (``boost_compile/meta_init.py``). ``global_rng``: built whole on every rank by the model's
+    own init from torch's global RNG seeded with ``trainer.seed``, as plain PyTorch would."""
 
 
 @dataclass
@@ -235,6 +242,9 @@ class CheckpointConfig:
     """Save when SIGTERM/SIGINT arrives."""
     at_end: bool = True
     """Save after the last step."""
+    at_start: bool = False
+    """Save the starting weights as ``step_000000`` before the first step (a fresh run only): the
+    seed checkpoint, bitwise the same in every layout under ``model.init=per_parameter``."""
     resume_from: str | None = None
     """The checkpoint ``trainer.resume`` loads (a ``step_*`` folder, or a folder of them: the
     newest complete one); default ``dir``."""

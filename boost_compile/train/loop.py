@@ -282,6 +282,9 @@ class Trainer:
         status = "completed"
         stopper = StopOnSignal(tc.checkpoint.on_signal)
         begin = time.perf_counter()
+        if tc.checkpoint.enabled and tc.checkpoint.at_start and start == 0 and not restart:
+            with reported_collectives(dev, "the checkpoint save (DCP's gathers to rank 0)", 0, timeout_s):
+                progress.message(f"checkpoint: {ckpt.save(0)} (the starting weights)")
         try:
             with stopper, PeakMemory(dev.device) as memory:
                 last = time.perf_counter()

@@ -7,6 +7,7 @@ model; parallelizing and compiling it is :mod:`boost_compile.train.parallel`'s j
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from torch import nn
 
 from boost_compile.train.config import ModelConfig, TrainConfig
 from boost_compile.train.validate import ModelShape, factorize_config
+
+if TYPE_CHECKING:
+    from boost_compile.meta_init import InitRecipe
 
 log = logging.getLogger("boost_compile.train")
 
@@ -67,25 +71,76 @@ def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> Mod
     return dataclasses.replace(shape, vocab_size=vocab, hf_config=hf_config)
 
 
+def defers_init(tc: TrainConfig) -> bool:
+    """Whether the model is built on the meta device, each rank materialising its part
+    (``model.init=per_parameter`` on random weights; pretrained weights are loaded whole)."""
+    return tc.model.init == "per_parameter" and not (tc.model.pretrained and (tc.model.hf_path or tc.model.hf_config))
+
+
+def build_on_meta(tc: TrainConfig, shape: ModelShape) -> tuple[nn.Module, InitRecipe]:
+    """The model with every parameter on the meta device (buffers real, on the host), and the recipe
+    that gives each rank the values of what it holds (``boost_compile/meta_init.py``). ConfigError,
+    naming the parameter, for a model whose init the recipe cannot replay."""
+    from boost_compile.config import ConfigError
+    from boost_compile.meta_init import MetaInitError, deferred_init
+
+    with deferred_init(tc.trainer.seed) as recording:
+        model = _construct(tc, shape)
+    try:
+        recipe = recording.recipe(model)
+    except MetaInitError as exc:
+        raise ConfigError(f"model.init=per_parameter: {exc}") from exc
+    return model, recipe
+
+
+def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
+    """The model from its config, its weights initialised by its own code (on the host, or on meta
+    under :func:`build_on_meta`)."""
+    if shape.kind == "preset":
+        from boost_compile.models import Llama
+
+        return Llama(shape.llama_config)
+    import transformers
+
+    config = shape.hf_config
+    config.use_cache = False
+    return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).float())
+
+
 def build_model(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
-    """The model every rank starts from (same seed, same weights), factorized if asked."""
+    """The whole model on this rank (every rank the same weights), factorized if asked."""
+    if defers_init(tc):
+        from boost_compile.meta_init import materialize_
+
+        model, recipe = build_on_meta(tc, shape)
+        materialize_(model, recipe, device)
+    else:
+        model = _build_whole(tc, shape, device)
+    return factorize_model(model, tc, shape, device)
+
+
+def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
+    """``model.init=global_rng`` or pretrained weights: built whole, torch's RNG seeded."""
     torch.manual_seed(tc.trainer.seed)
     if shape.kind == "preset":
         from boost_compile.models import Llama
 
-        model: nn.Module = Llama(shape.llama_config, device=device)
-    else:
-        import transformers
+        return Llama(shape.llama_config, device=device)
+    import transformers
 
-        config = shape.hf_config
-        config.use_cache = False
-        if tc.model.pretrained:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(
-                tc.model.hf_path, config=config, local_files_only=True
-            )
-        else:
-            hf = transformers.AutoModelForCausalLM.from_config(config)
-        model = HFCausalLM(hf.float()).to(device)
+    config = shape.hf_config
+    config.use_cache = False
+    if tc.model.pretrained:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tc.model.hf_path, config=config, local_files_only=True
+        )
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    return HFCausalLM(hf.float()).to(device)
+
+
+def factorize_model(model: nn.Module, tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
+    """``model`` with its dense block linears made bottlenecks when ``factorize`` is on."""
     factorize = factorize_config(tc.factorize)
     if factorize is not None:
         from boost_compile.factorize import factorize_

@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,11 @@ from boost_compile.backend import Recorder, compile_graph
 from boost_compile.blocks import BlockCompileError, compile_blocks, tensor_parallel
 from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
-from boost_compile.train.model import build_model
-from boost_compile.train.validate import ModelShape, env_world_size
+from boost_compile.train.model import build_model, build_on_meta, defers_init
+from boost_compile.train.validate import ModelShape, env_world_size, factorize_config
+
+if TYPE_CHECKING:
+    from boost_compile.meta_init import InitRecipe
 
 log = logging.getLogger("boost_compile.train")
 
@@ -356,14 +359,18 @@ def build_model_parts(
     sharded: the parameters are then DTensors, each rank's shard.
     ``recorder``: see :func:`compile_model`.
     """
-    model = build_model(tc, shape, dev.device)
+    recipe = None
+    if dev.dp_shard > 1 and dev.tp == 1 and defers_init(tc) and factorize_config(tc.factorize) is None:
+        model, recipe = build_on_meta(tc, shape)  # FSDP2 materialises each rank's shard, once sharded
+    else:
+        model = build_model(tc, shape, dev.device)
     if dev.tp > 1:
         if example is None:
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
         parallelize(model, tc, dev, example)
     cast_weights(model, tc.trainer.precision)
     if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled
-        return _fsdp_model_parts(model, tc, dev, before_compile, recorder)
+        return _fsdp_model_parts(model, tc, dev, before_compile, recorder, recipe)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
@@ -375,14 +382,19 @@ def build_model_parts(
                       compile_settings=ddp_compile_settings(tc, dev.dp, per_block))
 
 
-def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist,
-                      bind: Callable[[nn.Module], None] | None, recorder: Recorder | None) -> ModelParts:
+def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist, bind: Callable[[nn.Module], None] | None,
+                      recorder: Recorder | None, recipe: InitRecipe | None = None) -> ModelParts:
     """torchtitan's order: the blocks compiled one by one, then ``fully_shard`` per block and the
-    root (train/fsdp.py); the optimizer and a resumed checkpoint bind the sharded parameters."""
+    root (train/fsdp.py); a model built on meta (``recipe``) then materialises this rank's shards;
+    the optimizer and a resumed checkpoint bind the sharded parameters."""
     from boost_compile.train.fsdp import shard_model
 
     compiled = compile_model(model, tc, recorder=recorder)
     shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
+    if recipe is not None:
+        from boost_compile.meta_init import materialize_
+
+        materialize_(model, recipe, dev.device)
     if bind is not None:
         bind(model)
     return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)

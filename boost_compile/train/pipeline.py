@@ -58,10 +58,10 @@ from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder
 from boost_compile.config import ConfigError
 from boost_compile.train.config import TrainConfig
-from boost_compile.train.model import HFCausalLM, build_model
+from boost_compile.train.model import HFCausalLM, build_model, build_on_meta, defers_init
 from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
-from boost_compile.train.validate import ModelShape
+from boost_compile.train.validate import ModelShape, factorize_config
 
 log = logging.getLogger("boost_compile.train")
 
@@ -241,17 +241,30 @@ def build_pipeline_parts(
     )
 
     par, tr = tc.parallel, tc.trainer
-    whole = build_model(tc, shape, dev.device)
+    # on meta (model.init=per_parameter), each rank materialises its own stages only
+    recipe = None
+    if defers_init(tc) and factorize_config(tc.factorize) is None:
+        whole, recipe = build_on_meta(tc, shape)
+    else:
+        whole = build_model(tc, shape, dev.device)
     total = sum(p.numel() for p in whole.parameters())
     target, prefix = (whole.hf, "hf") if isinstance(whole, HFCausalLM) else (whole, "")
     num_stages = dev.pp * par.stages_per_rank
     indices = list(range(dev.pp_rank, num_stages, dev.pp))
+    memos: list[dict[int, Any]] = [{} for _ in indices]
     try:
         layers = list(par.layers_per_stage) if par.layers_per_stage is not None else None
-        stages = [split_model(target, i, num_stages, layers_per_stage=layers) for i in indices]
+        stages = [split_model(target, i, num_stages, layers_per_stage=layers, memo=memo)
+                  for i, memo in zip(indices, memos, strict=True)]
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
-    del whole, target
+    if recipe is not None:
+        from boost_compile.meta_init import materialize_
+
+        for stage, memo in zip(stages, memos, strict=True):  # a stage's parameters are copies: named by the original's name
+            names = {id(memo[id(p)]): n for n, p in whole.named_parameters(remove_duplicate=False) if id(p) in memo}
+            materialize_(stage, recipe, dev.device, names=names)
+    del whole, target, memos
     local_batch = tr.rank_batch(dev.dp)  # one micro-step's rows (the whole share without accumulation)
     n_mb = par.n_microbatches
     micro_batch = local_batch // n_mb

@@ -177,10 +177,16 @@ def _positive(name: str, value: int | float, *, zero_ok: bool = False) -> None:
         raise ConfigError(f"{name} must be {bound}, got {value}")
 
 
+#: ``model.init``'s choices (train/config.py says what each does)
+MODEL_INITS = ("per_parameter", "global_rng")
+
+
 def model_shape(model: ModelConfig, seq: int) -> ModelShape:
     """Resolve the model's shape from the config alone (no weights are built)."""
     if model.hf_path and model.hf_config is not None:
         raise ConfigError("model: give hf_path or hf_config, not both")
+    if model.init not in MODEL_INITS:
+        raise ConfigError(f"model.init={model.init!r}; valid choices: {', '.join(MODEL_INITS)}")
     if model.hf_path or model.hf_config is not None:
         return _hf_shape(model)
     if model.preset is None:
