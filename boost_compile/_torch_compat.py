@@ -382,3 +382,25 @@ def dtensor_local_box(t: Any) -> tuple[slice, ...] | None:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+@contextlib.contextmanager
+def trunc_normal_hook(hook: Any) -> Iterator[None]:
+    """Offer every ``torch.nn.init.trunc_normal_`` to ``hook(tensor, mean, std, a, b)`` first (it
+    returns True when it took the call). torch's helper, ``torch.nn.init._no_grad_trunc_normal_``,
+    is looked up at each call, so transformers' wrappers (which hold torch's public function) reach
+    it too; on a meta tensor it returns at once, before any tensor operation a mode could see."""
+    import torch.nn.init as init
+
+    original = init._no_grad_trunc_normal_
+
+    def routed(tensor: Any, mean: float, std: float, a: float, b: float, generator: Any = None) -> Any:
+        if hook(tensor, mean, std, a, b):
+            return tensor
+        return original(tensor, mean, std, a, b, generator)
+
+    init._no_grad_trunc_normal_ = routed
+    try:
+        yield
+    finally:
+        init._no_grad_trunc_normal_ = original

@@ -17,13 +17,14 @@ every layout, and a rank draws only the blocks its slice touches (peak: its slic
 The one-process run uses the same scheme, so every layout starts from bitwise the same weights.
 
 What the recorder replays: ``torch.nn.init``'s normal, uniform, constant, ones, zeros,
-trunc_normal, xavier and kaiming initialisers and the in-place tensor methods they and model code
-call (``normal_``, ``uniform_``, ``fill_``, ``zero_``, ``mul_``, ``add_``, ``clamp_``, ``erfinv_``,
-...), on a parameter, its ``.data`` or an indexed view of it, and ``copy_`` from a real tensor (a
-Mamba layer's ``A_log``). A view or a ``copy_`` makes that parameter materialise whole, one at a
-time; a ``copy_`` source stays on the host until then. Anything else on a parameter (a write from a
-tensor computed from a meta one, ``orthogonal_``'s QR), or a parameter never written, is refused by
-:class:`MetaInitError`, naming the parameter and the operation.
+trunc_normal (routed to the recorder: torch's skips meta tensors), xavier and kaiming
+initialisers and the in-place tensor methods they and model code call (``normal_``,
+``uniform_``, ``fill_``, ``zero_``, ``mul_``, ``add_``, ``clamp_``, ``erfinv_``, ...), on a
+parameter, its ``.data`` or an indexed view of it, and ``copy_`` from a real tensor (a Mamba
+layer's ``A_log``). A view or a ``copy_`` makes that parameter materialise whole, one at a time;
+a ``copy_`` source stays on the host until then. Anything else on a parameter (a write from a
+tensor computed from a meta one, an init that skips meta tensors such as ``orthogonal_``), or a
+parameter never written, is refused by :class:`MetaInitError`, naming the parameter and the operation.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from boost_compile import _torch_compat as compat
 
 #: Elements per random block: a rank draws whole blocks and keeps its part of them.
 BLOCK = 1 << 20
@@ -81,7 +84,7 @@ class InitRecipe:
         name = canonical_name(name)
         shape = self.shapes[name]
         steps = self.steps[name]
-        box = box if box is not None else tuple(slice(0, n) for n in shape)
+        box = tuple(box or ()) + tuple(slice(0, n) for n in shape[len(box or ()):])  # the dims not cut: whole
         key = f"{self.seed}|{name}"
         if any(step.view or step.op == "copy_" for step in steps) or len(shape) == 0:
             return _whole(steps, key, shape)[box].to(dtype)
@@ -208,6 +211,15 @@ class _Recorder(TorchFunctionMode):
         #: the storage of each host tensor torch.empty made and nothing wrote yet: a parameter made
         #: of one (``nn.Linear``'s weight) has no initial value to keep
         self.unwritten: dict[int, int] = {}
+        self.paused = False  # while a parameter is moved to meta: the recorder's own work
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
 
     def track(self, meta: torch.Tensor, initial: torch.Tensor | None) -> None:
         self.tracked[id(meta)] = meta
@@ -222,6 +234,8 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
+        if self.paused:
+            return func(*args, **kwargs)
         if func in _FACTORIES and _is_meta_device(kwargs.get("device")):
             kwargs["device"] = "cpu"  # torch.arange(n, device=param.device): a value the init computes
         elif func in _LIKE_FACTORIES and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
@@ -241,7 +255,9 @@ class _Recorder(TorchFunctionMode):
             return out
         pid, view = where
         op = _method_name(func)
-        if op in _INIT_FUNCTIONS and getattr(func, "__module__", None) in _INIT_MODULES:
+        if op == "is_meta":  # code that skips meta tensors (orthogonal_, sparse_, eye_, dirac_) writes nothing
+            self.refused.setdefault(pid, "its init asks whether it is on the meta device, and would skip it")
+        elif op in _INIT_FUNCTIONS and getattr(func, "__module__", None) in _INIT_MODULES:
             self._record(pid, view, _init_step(func, args, kwargs))
         elif op in _ALIASES or (op in _VIEWS and isinstance(out, torch.Tensor) and out.is_meta):
             link = () if op in _ALIASES else ((op, tuple(args[1:]) + tuple(kwargs.values())),)
@@ -275,6 +291,14 @@ class _Recorder(TorchFunctionMode):
                 self._record(pid, view, step)
         else:
             self.refused.setdefault(pid, op)
+
+    def trunc_normal(self, tensor: torch.Tensor, mean: float, std: float, a: float, b: float) -> bool:
+        """``torch.nn.init.trunc_normal_`` (which does nothing to a meta tensor): recorded."""
+        where = self._where(tensor)
+        if where is None:
+            return False
+        self._record(*where, Step("trunc_normal_", (float(mean), float(std), float(a), float(b))))
+        return True
 
     def _record(self, pid: int, view: tuple, step: Step) -> None:
         self.steps[pid].append(Step(step.op, step.args, view, step.value))
@@ -332,15 +356,17 @@ def deferred_init(seed: int) -> Iterator[DeferredInit]:
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and id(param) not in recorder.tracked:
-            empty = param.is_meta or recorder.unwritten.get(param.data_ptr()) == param.numel()
-            initial = None if empty else param.detach().to("cpu", copy=True)
-            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            with recorder.pause():
+                # popped: the address is free for a later tensor once this one is on meta
+                empty = param.is_meta or recorder.unwritten.pop(param.data_ptr(), None) == param.numel()
+                initial = None if empty else param.detach().to("cpu", copy=True)
+                param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
             recorder.track(param, initial)
         register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), compat.trunc_normal_hook(recorder.trunc_normal):
             torch.manual_seed(seed)
             with recorder:
                 yield DeferredInit(recorder, seed)
@@ -382,6 +408,12 @@ def _apply(step: Step, i: int, target: torch.Tensor, key: str, start: int, total
             target.copy_(z.mul_(a[1]).add_(a[0]))
         else:
             target.copy_(z.mul_(a[1] - a[0]).add_(a[0]))
+    elif op == "trunc_normal_":  # N(mean, std) cut to [lo, hi], by the inverse CDF of a uniform draw
+        mean, std, lo, hi = a
+        cdf_lo, cdf_hi = (0.5 * (1.0 + math.erf((x - mean) / (std * math.sqrt(2.0)))) for x in (lo, hi))
+        u = _draw("uniform_", key, i, start, target.numel(), total).view(target.shape)
+        u.mul_(2.0 * (cdf_hi - cdf_lo)).add_(2.0 * cdf_lo - 1.0).erfinv_()
+        target.copy_(u.mul_(std * math.sqrt(2.0)).add_(mean).clamp_(lo, hi))
     elif op == "fill_":
         target.fill_(a[0])
     elif op == "zero_":

@@ -362,6 +362,12 @@ FAST = (
     "passes=eager",
 )
 
+#: the starting weights saved too (step_000000), kept beside two later checkpoints
+AT_START = ("checkpoint.at_start=true", "checkpoint.keep=3")
+#: the tiny preset's tensors: the embedding, 2 blocks of 2 norms and 7 projections of 2 factors each,
+#: the final norm and the head
+TINY_TENSORS = 1 + 2 * (2 + 7 * 2) + 2
+
 # FAST, 4 steps evaluated at 2 and 4, no checkpoints: a run for the metric writers' tests
 METRICS_RUN = (*FAST, "trainer.steps=4", "trainer.eval_every=2", "checkpoint=off")
 
@@ -456,3 +462,35 @@ def assert_train_parity(tested: dict, references: tuple[dict, dict], what: str =
     if truth.get("val_loss") is not None:
         errors["val_loss"] = loss_errors([tested["val_loss"]], [eager["val_loss"]], [truth["val_loss"]])
     return assert_parity(errors, dtype, what=what)
+
+
+def checkpoint_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model state a boost-train checkpoint holds (whole tensors, whatever layout saved it)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as folder:
+        dcp_to_torch_save(checkpoint, Path(folder) / "whole.pt")
+        return torch.load(Path(folder) / "whole.pt", weights_only=False)["model"]
+
+
+def assert_starts_like_one_process(run_dir: Path) -> int:
+    """The starting weights a run saved (``checkpoint.at_start``: ``step_000000``) equal, bitwise,
+    those one process builds from the same config (boost-train's ``build_model``, its cast). Returns
+    the number of tensors compared."""
+    from boost_compile.export import resolve
+    from boost_compile.train.model import build_model, fit_vocab
+    from boost_compile.train.parallel import cast_weights
+    from boost_compile.train.validate import model_shape
+
+    source = resolve(Path(run_dir) / "checkpoints" / "step_000000")
+    tc = source.config
+    shape = fit_vocab(model_shape(tc.model, tc.trainer.seq), tc.model, source.tokenizer().vocab_size)
+    model = build_model(tc, shape, torch.device("cpu"))
+    cast_weights(model, tc.trainer.precision)
+    mine, saved = model.state_dict(), checkpoint_model(source.checkpoint)
+    assert sorted(saved) == sorted(mine), (sorted(saved), sorted(mine))
+    different = [k for k in mine if not torch.equal(saved[k], mine[k])]
+    assert not different, f"starting weights differ from one process's: {different[:5]}"
+    return len(mine)

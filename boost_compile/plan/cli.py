@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plans", nargs="+", default=None, choices=["btp", "megatron", "vanilla"],
                    help="TP plans to consider (default: btp and vanilla for low-rank models, megatron for dense)")
     p.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
+    p.add_argument("--init", default="per_parameter", choices=["per_parameter", "global_rng"],
+                   help="boost-train's model.init: the start priced built on meta, each rank its part (default), or "
+                        "built whole on every rank; --rank (factorize) and pretrained weights build whole either way")
     p.add_argument("--no-fsdp", action="store_true", help="leave out FSDP2 and HSDP layouts (parallel.dp_shard > 1)")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row, best first, as JSON")
@@ -116,7 +119,8 @@ def make_job(args: argparse.Namespace) -> Job:
     for name in ("devices", "per_node", "batch", "seq"):
         if getattr(args, name) < 1:
             raise SystemExit(f"boost-plan: --{name.replace('_', '-')} must be positive")
-    return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args)
+    on_meta = args.init == "per_parameter" and not args.rank
+    return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args, on_meta)
 
 
 def table(rows: Sequence[Row], job: Job, top: int) -> str:
@@ -127,7 +131,7 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     terms = list(labels)
     # under 1 GiB per device (a memory cap on a toy model) the figures are in MiB: 0.00 GiB says nothing
     scale, unit = (1024, "MiB") if job.memory_bytes < 2**30 else (1, "GiB")
-    head = ["#", "layout", "step (s)", "tokens/s", f"memory ({unit})", *(labels[t] for t in terms), "fits"]
+    head = ["#", "layout", "step (s)", "tokens/s", f"memory ({unit})", *(labels[t] for t in terms), "start", "fits"]
     lines = [
         f"{job.spec.name} ({job.spec.num_params() / 1e6:,.1f}M params, {job.spec.kind}, d {job.spec.dim} x "
         f"{job.spec.n_layers} layers, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
@@ -139,7 +143,7 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     ]
     for i, r in enumerate(shown, 1):
         cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib * scale:.2f}",
-                 *(f"{r.terms_gib[t] * scale:.2f}" for t in terms), "yes" if r.fits else "no"]
+                 *(f"{r.terms_gib[t] * scale:.2f}" for t in terms), f"{r.start_gib * scale:.2f}", "yes" if r.fits else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
     if shown:

@@ -250,6 +250,48 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
     return terms, max(sizes) * (prec.gathered + prec.weights)
 
 
+#: elements a rank computes at once while it materialises its part of a model built on meta: a row
+#: group and a random block, in fp32 (``boost_compile.meta_init``'s CHUNK and BLOCK)
+MATERIALISE_ELEMENTS = (1 << 22) + (1 << 20)
+#: the build's dtype: a model is built in fp32, then cast to the weights' dtype
+BUILD_BYTES = 4
+
+
+def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int, precision: str = "fp32",
+                 stages_per_rank: int = 1, on_meta: bool = True, vocab_parallel: bool = True) -> int:
+    """Peak bytes per rank while boost-train builds, shards and casts the model, before the first step
+    (the busiest pipeline rank's).
+
+    ``on_meta`` (``model.init=per_parameter`` without tensor parallelism or ``factorize``): the model
+    is built on the meta device and each rank computes only what it holds: its stages' tensors, and
+    under FSDP2 (without a pipeline: a stage is materialised before it is sharded) its slice of each,
+    stored in the weights' dtype, plus the values computed at once (:data:`MATERIALISE_ELEMENTS`).
+    Otherwise every rank builds the whole model in fp32 first, and sharding or splitting it holds the
+    rank's part (in the weights' dtype) beside it until the whole goes.
+    """
+    prec = PRECISIONS[precision]
+    tensors = spec.tensors()
+    local = _local_numels(spec, plan, tp, vocab_parallel)
+    stages = _stage_blocks(spec, pp * stages_per_rank)
+    busiest = 0
+    for rank in range(pp):
+        mine = range(rank, len(stages), pp)
+        blocks = {b for i in mine for b in stages[i]}
+        first, last = 0 in mine, len(stages) - 1 in mine
+        held = [k for t, k in zip(tensors, local, strict=True)
+                if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
+        if dp_shard > 1:
+            held = [fsdp_shard(k, dp_shard) for k in held]
+        busiest = max(busiest, sum(held))
+    if on_meta and tp == 1:
+        if dp_shard > 1 and pp == 1:  # FSDP2 shards on meta: each rank's slices, in the weights' dtype
+            return busiest * prec.weights + MATERIALISE_ELEMENTS * BUILD_BYTES
+        # one process, DDP, a pipeline's stages: materialised whole in fp32 (then cast, then sharded)
+        return busiest * dp_shard * BUILD_BYTES + MATERIALISE_ELEMENTS * BUILD_BYTES
+    whole = sum(t.numel for t in tensors)
+    return whole * BUILD_BYTES + busiest * prec.weights
+
+
 @functools.lru_cache(maxsize=256)
 def _local_numels(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tuple[int, ...]:
     """Each tensor's local elements on one TP rank, in :meth:`ModelSpec.tensors`' order (the search

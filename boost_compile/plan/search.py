@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 from boost_compile.costmodel import scale_model as sm
 from boost_compile.costmodel.hardware import Hardware
-from boost_compile.plan.memory import GIB, PRECISIONS, memory
+from boost_compile.plan.memory import GIB, PRECISIONS, memory, start_memory
 from boost_compile.plan.model import PLANS, ModelSpec
 from boost_compile.plan.timing import cold_compile, step_time
 
@@ -103,6 +103,9 @@ class Job:
     precision: str = "fp32"
     #: the boost-train model override that names the model (model=..., model.hf_path=...)
     model_args: tuple[str, ...] = ()
+    #: the model is built on the meta device, each rank materialising its part (boost-train's
+    #: ``model.init=per_parameter`` on random weights); False: built whole on every rank first
+    on_meta: bool = True
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,16 @@ class Row:
     compile_s: float | None = None
     #: FSDP2's exposed all-gathers, reduce-scatters and copies (plan.timing)
     fsdp_s: float = 0.0
+    #: the start's peak per device (build, materialise, shard, cast: plan.memory.start_memory);
+    #: ``fits`` needs it and ``memory_gib`` (the step's) within the memory
+    start_gib: float = 0.0
 
     def as_json(self) -> dict:
         """The ``--json`` row: the layout's keys, ``step_s``, ``memory_gib``, ``fits``, ``command`` and the terms."""
         return {**asdict(self.layout), "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
                 "memory_gib": self.memory_gib, "fits": self.fits, "command": self.command,
                 "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s,
-                "fsdp_s": self.fsdp_s}
+                "fsdp_s": self.fsdp_s, "start_gib": self.start_gib}
 
 
 #: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
@@ -255,10 +261,12 @@ def price(job: Job, layout: Layout) -> Row:
                  schedule=lo.schedule, checkpoint=lo.checkpoint, batch=batch, seq=job.seq, precision=job.precision,
                  stages_per_rank=lo.stages_per_rank, accumulating=a > 1, dp_shard=lo.dp_shard,
                  reshard_after_forward=lo.reshard_after_forward)
+    start = start_memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp_shard=lo.dp_shard, precision=job.precision,
+                         stages_per_rank=lo.stages_per_rank, on_meta=job.on_meta)
     step_s = a * t.step_s - (a - 1) * t.once_s
     return Row(lo, step_s, job.batch * job.seq / step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
-               mem.peak_at, mem.peak <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
-               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware), fsdp_s=t.fsdp_s)
+               mem.peak_at, max(mem.peak, start) <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
+               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware), fsdp_s=t.fsdp_s, start_gib=start / GIB)
 
 
 def command(job: Job, layout: Layout) -> str:
@@ -331,9 +339,13 @@ def refusal(rows: list[Row], job: Job) -> str:
         return (f"no layout of {job.spec.name} runs on {job.devices} device(s) ({job.per_node} per node) with batch "
                 f"{job.batch}: tp must divide heads {job.spec.n_heads}, kv-heads {job.spec.n_kv_heads}, d {job.spec.dim} "
                 f"and d_ff {job.spec.ffn_dim}, and dp the batch")
-    small = min(rows, key=lambda r: r.memory_gib)
-    largest_term = max(small.terms_gib, key=small.terms_gib.get)
+    small = min(rows, key=lambda r: max(r.memory_gib, r.start_gib))
+    need = max(small.memory_gib, small.start_gib)
+    if small.start_gib > small.memory_gib:
+        most = f"its start, the model built and sharded: {small.start_gib:.2f} GiB"
+    else:
+        largest_term = max(small.terms_gib, key=small.terms_gib.get)
+        most = f"most of it {largest_term}: {small.terms_gib[largest_term]:.2f} GiB"
     return (f"no layout of {job.spec.name} fits in {cap:.2f} GiB per device on {job.devices} device(s): the smallest, "
-            f"{small.layout.label()}, needs {small.memory_gib:.2f} GiB (most of it {largest_term}: "
-            f"{small.terms_gib[largest_term]:.2f} GiB); it would fit with {small.memory_gib:.2f} GiB per device "
+            f"{small.layout.label()}, needs {need:.2f} GiB ({most}); it would fit with {need:.2f} GiB per device "
             f"(--memory-gib), or with more devices, a smaller batch ({job.batch}) or sequence ({job.seq})")

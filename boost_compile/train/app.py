@@ -25,6 +25,7 @@ from boost_compile.train.checkpoint import resume_candidates
 from boost_compile.train.config import config_dir, register_configs
 from boost_compile.train.launchers import adopt_submitit_environment, check_plugins, quiet_worker_logging
 from boost_compile.train.loop import Trainer
+from boost_compile.train.memory_check import check_memory
 from boost_compile.train.metrics import SUMMARY_FILE, read_summary, write_summary
 from boost_compile.train.parallel import setup_distributed
 from boost_compile.train.validate import env_world_size, to_train_config, validate
@@ -63,6 +64,7 @@ def run(cfg: Any, run_dir: str | Path, *, overrides: Sequence[str] = ()) -> dict
     run_dir = Path(run_dir).resolve()
     candidates = resume_candidates(tc, run_dir)  # a bad explicit checkpoint stops here, before any process group
     dev = setup_distributed(tc)
+    check_memory(tc, dev)  # a layout this rank cannot hold stops here, before the model exists
     candidates = dev.broadcast(candidates)  # rank 0's choice on every rank
     own_dir = run_dir
     run_dir = Path(dev.broadcast(str(run_dir)))  # all ranks write where rank 0 does

@@ -313,15 +313,19 @@ class Checkpointer:
         hook = self.before_metadata
         writer = ChecksumWriter(str(path), (lambda: hook(step)) if hook else None)
         target = {"checkpoint_id": str(path), "storage_writer": writer}
+        fresh = not local_optimizer(self.optimizer).state  # before the first step (checkpoint.at_start)
+        state = self._state(step)
+        if fresh:
+            _as_fresh(self.optimizer, state["optim"])
         with _quiet_dcp():
             if self.cfg.async_save:
                 if self.dev.world == 1:  # the background thread repeats the warning _quiet_dcp hides here
                     warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-                future = dcp.async_save(self._state(step), **target, process_group=self._group,
+                future = dcp.async_save(state, **target, process_group=self._group,
                                         no_dist=self.dev.world == 1)
                 self.pending = (step, path, future, writer)
                 return path
-            dcp.save(self._state(step), **target, no_dist=self.dev.world == 1)
+            dcp.save(state, **target, no_dist=self.dev.world == 1)
         self._complete(step, path, writer.checksums)
         return path
 
@@ -472,6 +476,17 @@ class Checkpointer:
                 "(see the warnings above); move them away to start afresh"
             )
         return 0, None
+
+
+def _as_fresh(optimizer: torch.optim.Optimizer, optim_sd: dict[str, Any]) -> None:
+    """An optimizer that has not stepped yet, saved as one: DCP's state dict makes AdamW's state
+    by a step with zero gradients and lr 0 (the weights stay as they are, its step counts become
+    1); the saved counts are put back to 0, so that resuming equals a fresh optimizer's first step
+    (zero moments, count 0), and the live optimizer loses the state again, for the same reason."""
+    for key, value in optim_sd.items():
+        if key.rsplit(".", 1)[-1] == "step" and isinstance(value, torch.Tensor):
+            optim_sd[key] = torch.zeros_like(value)
+    local_optimizer(optimizer).state.clear()
 
 
 class _Written(list):

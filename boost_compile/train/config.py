@@ -173,6 +173,11 @@ class ParallelConfig:
     null: ``cpu`` on CPU, else the file named after the CUDA device."""
     memory_gib: float | None = None
     """``auto``: usable memory per device in GiB (null: 90% of the hardware file's ``memory_gib``)."""
+    check_memory: bool = True
+    """Before the model is built, price this layout's start and step with the planner's memory
+    model and refuse, in one line with the layouts that would fit, when a rank's memory cannot hold
+    them: a CUDA device's free memory, or on CPU the address space RLIMIT_AS (``ulimit -v``) leaves
+    (no check without a limit). ``false``: try anyway."""
     timeout_s: float = 600.0
     """How long a collective waits for its peers before the run fails (the process group's
     timeout): a hung or lost rank then ends the run, naming the rank and what it waited for,

@@ -39,6 +39,7 @@ from boost_compile.train.metrics import (
     MetricsWriter,
     PeakMemory,
     Progress,
+    address_space_bytes,
     count_restarts,
     plot_losses,
     wandb_run,
@@ -161,6 +162,8 @@ class Trainer:
         #: seconds from building the model to its compiled form, before the first step (summary's setup_s):
         #: under tp parallelize_'s captures of the whole model are here, not in first_step_s
         self.setup_s = 0.0
+        #: memory of the start, set by _measure_start (summary's ``start``)
+        self.start_memory: dict[str, float | None] = {}
         # trainer.memory_report: memory_rank{R}.json, the last step profiled (inert when off)
         self.memory_report = MemoryReport(tc.trainer.memory_report, run_dir, dev.rank, tc.trainer.steps, dev.device)
 
@@ -182,10 +185,11 @@ class Trainer:
         # parallelize_ traces one micro-step's batch: the shape every step then runs
         example = train_data.batch(0, 0)[0][: tr.rank_batch(dev.dp)].to(dev.device) if dev.tp > 1 else None
         begin = time.perf_counter()
-        parts = build_model_parts(
-            tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data),
-            recorder=self.memory_report.recorder,
-        )
+        with self._measure_start():
+            parts = build_model_parts(
+                tc, self.shape, dev, example, before_compile=lambda model: self._bind(model, train_data),
+                recorder=self.memory_report.recorder,
+            )
         self.setup_s = time.perf_counter() - begin
         assert self.optimizer is not None
         self.memory_report.bind(parts.model, self.optimizer, parts.train_fn)
@@ -205,8 +209,9 @@ class Trainer:
         tc, dev = self.tc, self.dev
         with stage_recompile_limit(tc):
             begin = time.perf_counter()
-            parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data),
-                                         recorder=self.memory_report.recorder)
+            with self._measure_start():
+                parts = build_pipeline_parts(tc, self.shape, dev, before_compile=lambda model: self._bind(model, train_data),
+                                             recorder=self.memory_report.recorder)
             self.setup_s = time.perf_counter() - begin
             assert self.optimizer is not None
             self.memory_report.bind(parts.model, self.optimizer)
@@ -214,6 +219,19 @@ class Trainer:
             step = make_pipeline_step(parts, self.optimizer, self.scheduler, tc.optim.grad_clip, dev, self.autocast,
                                       tc.trainer.micro_steps(dev.dp), bucket_mb=tc.parallel.bucket_mb)
             return self.train(step, train_data, val_data, parts.eval_fn)
+
+    @contextlib.contextmanager
+    def _measure_start(self) -> Any:
+        """This rank's memory while the model is built, sharded, bound and compiled (the start):
+        the address space before it (the process's baseline: Python, torch, the process group) and
+        the peak during it (RSS sampled, or CUDA's max allocated); in the summary as ``start``."""
+        baseline = address_space_bytes()
+        with PeakMemory(self.dev.device) as memory:
+            yield
+        self.start_memory = {"baseline_vm_mib": baseline / 2**20 if baseline else None, "peak_mib": memory.mib}
+        log.info("start: peak %.0f MiB (%s) building the model%s", memory.mib,
+                 "CUDA max allocated" if self.dev.device.type == "cuda" else "RSS",
+                 f", address space {baseline / 2**20:,.0f} MiB before it" if baseline else "")
 
     def _bind(self, model: nn.Module, data: PackedTokens) -> None:
         """Each replica's and stage's own random stream (replica_streams.py), then the optimizer,
@@ -374,6 +392,19 @@ class Trainer:
         mib = {k: float(v) / 2**20 for k, v in zip(keys, values.tolist(), strict=True)}
         return {**mib, "total": sum(mib.values())}
 
+    def _start_summary(self) -> dict[str, float | None]:
+        """The start's memory on the rank with the most of each (MiB): ``baseline_vm_mib`` (the address
+        space before the build), ``peak_mib`` (during it) and ``vm_peak_mib`` (the address space's
+        high-water mark over the run so far: what RLIMIT_AS must allow)."""
+        keys = ("baseline_vm_mib", "peak_mib", "vm_peak_mib")
+        vm_peak = address_space_bytes("VmPeak")
+        mine = {**self.start_memory, "vm_peak_mib": vm_peak / 2**20 if vm_peak else None}
+        values = torch.tensor([float(mine.get(k) or -1.0) for k in keys], dtype=torch.float64)
+        if self.dev.world > 1:
+            values = values.to(self.dev.device)
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return {k: (round(float(v), 1) if v >= 0 else None) for k, v in zip(keys, values.tolist(), strict=True)}
+
     def _finish(
         self,
         history: list[tuple[int, float]],
@@ -393,6 +424,7 @@ class Trainer:
         if dev.world > 1 and dev.device.type == "cpu":
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         state_mib = self._state_mib()
+        start = self._start_summary()
         result: dict[str, Any] = {
             "status": status,
             "signal": signal.Signals(signum).name if signum is not None else None,
@@ -410,6 +442,7 @@ class Trainer:
             "flops_per_token": self.utilization.flops_per_token if self.utilization else None,
             "peak_mem_mib": float(peak.item()),
             "state_mib": state_mib,
+            "start": start,
             "setup_s": round(self.setup_s, 3),
             "first_step_s": first_step_s,
             "total_s": total_s,

@@ -390,6 +390,19 @@ class PeakMemory:
         return max(self.peak, _rss_bytes()) / 2**20
 
 
+def address_space_bytes(field: str = "VmSize") -> int | None:
+    """This process's address space (``VmSize``: what ``ulimit -v`` / RLIMIT_AS bounds) or its
+    high-water mark (``VmPeak``), from ``/proc/self/status``; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:

@@ -7,6 +7,7 @@ model; parallelizing and compiling it is :mod:`boost_compile.train.parallel`'s j
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,13 +85,16 @@ def build_on_meta(tc: TrainConfig, shape: ModelShape) -> tuple[nn.Module, InitRe
     from boost_compile.config import ConfigError
     from boost_compile.meta_init import MetaInitError, deferred_init
 
-    with deferred_init(tc.trainer.seed) as recording:
-        model = _construct(tc, shape)
     try:
-        recipe = recording.recipe(model)
+        with deferred_init(tc.trainer.seed) as recording:
+            model = _construct(tc, shape)
+        return model, recording.recipe(model)
     except MetaInitError as exc:
         raise ConfigError(f"model.init=per_parameter: {exc}") from exc
-    return model, recipe
+    except (RuntimeError, NotImplementedError) as exc:  # model code that computes with a meta parameter
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"model.init=per_parameter: building the model on the meta device fails ({first}); "
+                          "model.init=global_rng builds the whole model on every rank instead") from exc
 
 
 def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
@@ -107,13 +111,24 @@ def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
     return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).float())
 
 
+def materialize_part(model: nn.Module, recipe: InitRecipe, device: torch.device, what: str,
+                     names: dict[int, str] | None = None) -> None:
+    """:func:`boost_compile.meta_init.materialize_` of the part of the model this rank holds, logged
+    with its size (``what``: the part, "the whole model", "its FSDP2 shards", ...)."""
+    from boost_compile.meta_init import materialize_
+
+    begin = time.perf_counter()
+    materialize_(model, recipe, device, names)
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    log.info("model.init=per_parameter: built on meta, this rank materialised %s (%s parameters) in %.1fs",
+             what, f"{local:,}", time.perf_counter() - begin)
+
+
 def build_model(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
     """The whole model on this rank (every rank the same weights), factorized if asked."""
     if defers_init(tc):
-        from boost_compile.meta_init import materialize_
-
         model, recipe = build_on_meta(tc, shape)
-        materialize_(model, recipe, device)
+        materialize_part(model, recipe, device, "the whole model")
     else:
         model = _build_whole(tc, shape, device)
     return factorize_model(model, tc, shape, device)

@@ -28,7 +28,7 @@ from boost_compile.backend import Recorder, compile_graph
 from boost_compile.blocks import BlockCompileError, compile_blocks, tensor_parallel
 from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
-from boost_compile.train.model import build_model, build_on_meta, defers_init
+from boost_compile.train.model import build_model, build_on_meta, defers_init, materialize_part
 from boost_compile.train.validate import ModelShape, env_world_size, factorize_config
 
 if TYPE_CHECKING:
@@ -392,9 +392,7 @@ def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist, bind: Callab
     compiled = compile_model(model, tc, recorder=recorder)
     shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
     if recipe is not None:
-        from boost_compile.meta_init import materialize_
-
-        materialize_(model, recipe, dev.device)
+        materialize_part(model, recipe, dev.device, "its FSDP2 shards")
     if bind is not None:
         bind(model)
     return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)

@@ -58,7 +58,7 @@ from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder
 from boost_compile.config import ConfigError
 from boost_compile.train.config import TrainConfig
-from boost_compile.train.model import HFCausalLM, build_model, build_on_meta, defers_init
+from boost_compile.train.model import HFCausalLM, build_model, build_on_meta, defers_init, materialize_part
 from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.validate import ModelShape, factorize_config
@@ -259,11 +259,9 @@ def build_pipeline_parts(
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
     if recipe is not None:
-        from boost_compile.meta_init import materialize_
-
-        for stage, memo in zip(stages, memos, strict=True):  # a stage's parameters are copies: named by the original's name
+        for i, stage, memo in zip(indices, stages, memos, strict=True):  # a stage's parameters are copies: named by the original's name
             names = {id(memo[id(p)]): n for n, p in whole.named_parameters(remove_duplicate=False) if id(p) in memo}
-            materialize_(stage, recipe, dev.device, names=names)
+            materialize_part(stage, recipe, dev.device, f"stage {i}", names)
     del whole, target, memos
     local_batch = tr.rank_batch(dev.dp)  # one micro-step's rows (the whole share without accumulation)
     n_mb = par.n_microbatches

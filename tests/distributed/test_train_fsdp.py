@@ -26,7 +26,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
+from conftest import (
+    AT_START,
+    FAST,
+    TINY_TENSORS,
+    assert_starts_like_one_process,
+    assert_train_parity,
+    cfg_of,
+    rng_states,
+    torchrun,
+    train_references,
+)
 
 from boost_compile.config import ConfigError
 from boost_compile.train import run
@@ -56,8 +66,9 @@ def single(references):
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    """FSDP2 over 2 ranks with gradient accumulation; checkpoints at steps 3 and 6."""
-    return torchrun(2, list(FSDP2), tmp_path_factory.mktemp("fsdp2") / "run")
+    """FSDP2 over 2 ranks with gradient accumulation; checkpoints at steps 0 (the starting weights),
+    3 and 6."""
+    return torchrun(2, [*FSDP2, *AT_START], tmp_path_factory.mktemp("fsdp2") / "run")
 
 
 def test_fsdp2_matches_single_process(fsdp2, references):
@@ -70,6 +81,9 @@ def test_fsdp2_matches_single_process(fsdp2, references):
     # each data rank draws its own random numbers (its own dropout masks), as DDP's replicas do
     states = rng_states(Path(fsdp2["run_dir"]) / "checkpoints" / "step_000006")
     assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
+    # built on meta, sharded, then each rank materialised its own shards: one process's weights
+    assert "materialised" in log
+    assert assert_starts_like_one_process(Path(fsdp2["run_dir"])) == TINY_TENSORS
 
 
 @pytest.mark.extended

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
+from conftest import (
+    AT_START,
+    FAST,
+    TINY_TENSORS,
+    assert_starts_like_one_process,
+    assert_train_parity,
+    cfg_of,
+    rng_states,
+    torchrun,
+    train_references,
+)
 
 from boost_compile.config import ConfigError
 from boost_compile.train import find_checkpoint, run
@@ -36,8 +46,8 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
-    """DP2 (DDP), checkpoints at steps 3 and 6."""
-    return torchrun(2, list(DP2), tmp_path_factory.mktemp("ddp") / "run")
+    """DP2 (DDP), checkpoints at steps 0 (the starting weights), 3 and 6."""
+    return torchrun(2, [*DP2, *AT_START], tmp_path_factory.mktemp("ddp") / "run")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,8 @@ def test_dp2_matches_single_process(ddp, references):
     # each replica draws its own random numbers (its own dropout masks): two generator states
     states = rng_states(checkpoint)
     assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])
+    # both replicas built on meta and materialised by the per-parameter scheme: one process's weights
+    assert assert_starts_like_one_process(Path(ddp["run_dir"])) == TINY_TENSORS
 
 
 @pytest.mark.extended
@@ -76,8 +88,9 @@ def test_tp2_matches_single_process_and_resumes(references, tmp_path):
         with pytest.raises(ConfigError, match="tensor parallelism is not available in this build"):
             validate(cfg_of("parallel=tp2"), world_size=2)
         pytest.skip("boost_compile.parallelize_ is not in this build (checked the error instead)")
-    tp2 = torchrun(2, [*ONE, "parallel=tp2"], tmp_path / "tp2")
+    tp2 = torchrun(2, [*ONE, "parallel=tp2", *AT_START], tmp_path / "tp2")
     assert_train_parity(tp2, references, "tp2")
+    assert assert_starts_like_one_process(tmp_path / "tp2") == TINY_TENSORS
     # the sharded checkpoint of step 3 (one DTensor shard per rank) resumes exactly
     checkpoint = tmp_path / "tp2" / "checkpoints" / "step_000003"
     resumed = torchrun(

@@ -15,7 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, assert_train_parity, cfg_of, rng_states, torchrun, train_references
+from conftest import (
+    AT_START,
+    FAST,
+    TINY_TENSORS,
+    assert_starts_like_one_process,
+    assert_train_parity,
+    cfg_of,
+    rng_states,
+    torchrun,
+    train_references,
+)
 
 from boost_compile.train import find_checkpoint, run
 
@@ -40,13 +50,16 @@ def references4l(tmp_path_factory):
 def pp2(tmp_path_factory):
     """PP2, 1F1B with 4 micro-batches, 20 steps, a checkpoint at step 10."""
     out = tmp_path_factory.mktemp("pp2") / "run"
-    return torchrun(2, [*BASE, *CKPT10, "parallel.pp=2", "parallel.microbatches=4"], out)
+    return torchrun(2, [*BASE, *CKPT10, *AT_START, "parallel.pp=2", "parallel.microbatches=4"], out)
 
 
 def test_pp2_1f1b_matches_single_process(pp2, references20):
     assert pp2["world"] == 2 and pp2["steps"] == 20
     # gradient clipping saw the global norm of both stages: the norms are checked too
     assert_train_parity(pp2, references20, "pp2 1f1b")
+    # each rank built the model on meta and materialised its own stage: one process's weights
+    assert "materialised" in (Path(pp2["run_dir"]) / "train.log").read_text()
+    assert assert_starts_like_one_process(Path(pp2["run_dir"])) == TINY_TENSORS
 
 
 @pytest.mark.extended

@@ -205,3 +205,16 @@ def test_a_failed_collective_names_the_rank_the_phase_and_the_step():
     with pytest.raises(ValueError, match="not a collective"):  # other errors pass unchanged
         with reported_collectives(dev, "the training step", 7, 5.0):
             raise ValueError("not a collective")
+
+
+def test_the_starting_weights_checkpoint_changes_nothing_and_resumes_exactly(straight, tmp_path):
+    """checkpoint.at_start saves step_000000 before the first step. Saving the optimizer state
+    makes it (DCP steps AdamW once with zero gradients): the run must go on as if it had not, and
+    resuming from step 0 must equal the fresh run, step for step."""
+    fresh, _ = straight
+    seeded = run(cfg_of(*BASE, "checkpoint.at_start=true", "checkpoint.keep=4"), tmp_path / "seeded")
+    assert seeded["losses"] == fresh["losses"]
+    start = tmp_path / "seeded" / "checkpoints" / "step_000000"
+    assert (start / COMPLETE_FILE).exists()
+    resumed = run(cfg_of(*BASE, "trainer.resume=true", f"checkpoint.resume_from={start}"), tmp_path / "resumed")
+    assert resumed["start_step"] == 0 and resumed["losses"] == fresh["losses"]
