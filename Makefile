@@ -34,7 +34,8 @@ test-extended: $(STAMP)
 QUICK := $(addprefix tests/unit/test_,analysis.py backend_registration.py dead_code.py verify.py explain.py \
 	factorize.py group_linears.py norm_sites.py parity.py parity_rule.py pass_manager.py rmsnorm_forms.py \
 	rmsnorm_pass.py activation_checkpoint.py compile_modes.py layering.py layout.py torch_compat.py \
-	tp_random.py lax_model.py models.py repeated_blocks.py fsdp_units.py style_models.py compile_blocks.py loss_logits.py)
+	tp_random.py lax_model.py models.py repeated_blocks.py fsdp_units.py style_models.py compile_blocks.py loss_logits.py \
+	meta_init.py)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" --durations=10 $(QUICK) $(PYTEST_ARGS)
 
