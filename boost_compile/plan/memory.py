@@ -251,8 +251,9 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
 
 
 #: elements a rank computes at once while it materialises its part of a model built on meta: a row
-#: group and a random block, in fp32 (``boost_compile.meta_init``'s CHUNK and BLOCK)
-MATERIALISE_ELEMENTS = (1 << 22) + (1 << 20)
+#: group and a random block, in fp32 (``boost_compile.meta_init``'s CHUNK and BLOCK), each at most
+#: the largest tensor's elements
+MATERIALISE_ELEMENTS = (1 << 22, 1 << 20)
 #: the build's dtype: a model is built in fp32, then cast to the weights' dtype
 BUILD_BYTES = 4
 
@@ -284,10 +285,12 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
             held = [fsdp_shard(k, dp_shard) for k in held]
         busiest = max(busiest, sum(held))
     if on_meta and tp == 1:
+        largest = max(t.numel for t in tensors)
+        at_once = sum(min(n, largest) for n in MATERIALISE_ELEMENTS) * BUILD_BYTES
         if dp_shard > 1 and pp == 1:  # FSDP2 shards on meta: each rank's slices, in the weights' dtype
-            return busiest * prec.weights + MATERIALISE_ELEMENTS * BUILD_BYTES
+            return busiest * prec.weights + at_once
         # one process, DDP, a pipeline's stages: materialised whole in fp32 (then cast, then sharded)
-        return busiest * dp_shard * BUILD_BYTES + MATERIALISE_ELEMENTS * BUILD_BYTES
+        return busiest * dp_shard * BUILD_BYTES + at_once
     whole = sum(t.numel for t in tensors)
     return whole * BUILD_BYTES + busiest * prec.weights
 

@@ -6,7 +6,8 @@ Each run saves its starting weights (``checkpoint.at_start``: ``step_000000``) a
 tensor. The tiny preset's FSDP2 2, PP2, DDP2 and TP2 runs are checked beside their parity tests
 (test_train_fsdp, test_train_pp, test_train_parallel); here: a Hugging Face model under FSDP2
 (materialised shard by shard), and, marked extended, HSDP 2x2, TP2 x FSDP2 2, and the Hugging Face
-model under PP2 and TP2. One step each, eager (``passes=none``): what is checked is the start.
+model under PP2 and TP2. One step each, eager (``passes=none``; TP needs the boost backend): what
+is checked is the start.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def test_hf_model_under_fsdp2_starts_like_one_process(tmp_path):
 @pytest.mark.extended
 @pytest.mark.parametrize("layout", [
     ("model=tiny", "parallel=hsdp2x2"),
-    ("model=tiny-dense", "parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=megatron"),
+    ("model=tiny-dense", "parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=megatron", "passes=boost_aot_eager"),
 ], ids=["hsdp2x2", "tp2xfsdp2"])
 def test_four_process_layouts_start_like_one_process(layout, tmp_path):
     tensors = TINY_TENSORS if "model=tiny" in layout else 1 + 2 * (2 + 7) + 2
@@ -49,7 +50,8 @@ def test_four_process_layouts_start_like_one_process(layout, tmp_path):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("layout", [("parallel.pp=2", "parallel.microbatches=2"), ("parallel=tp2",)], ids=["pp2", "tp2"])
+@pytest.mark.parametrize("layout", [("parallel.pp=2", "parallel.microbatches=2"), ("parallel=tp2", "passes=boost_aot_eager")],
+                         ids=["pp2", "tp2"])
 def test_hf_model_starts_like_one_process(layout, tmp_path):
     assert _starts_alike(2, ["model=hf-tiny", *layout], tmp_path / "run") == HF_TINY_TENSORS
 

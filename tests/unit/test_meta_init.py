@@ -156,7 +156,8 @@ def _eager_twice(build):
     return a, build()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mixtral", "gpt2", "qwen3_next", "marian"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_next", *(pytest.param(t, marks=pytest.mark.extended)
+                                                                for t in ("mixtral", "gpt2", "marian"))])
 def test_hugging_face_models_keep_their_init(model_type):
     """Each parameter against the model's own eager init: those the seed does not change (norms,
     zeros, Mamba's A_log, sinusoidal positions) bitwise, the others by their spread."""
