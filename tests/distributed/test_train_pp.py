@@ -115,6 +115,7 @@ def test_pp2_checkpoint_resumes_exactly(pp2, references20, tmp_path):
     assert_train_parity(single, references20, "one process from the pp2 checkpoint", first=10)
 
 
+@pytest.mark.extended  # PP2 and TP2 are each checked in make test; this product (4 ranks, 80 s) in the extended tier
 def test_pp2_tp2_matches_single_process_and_resumes(references20, tmp_path):
     """PP2 x TP2 (btp stages, the stream between them d-sharded) is the one-process run: losses,
     clipped gradient norms and val loss; its checkpoint (TP shards as DTensors, each stage its own)
