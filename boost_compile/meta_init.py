@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from boost_compile import _torch_compat as compat
 
 #: Elements per random block: a rank draws whole blocks and keeps its part of them.
-BLOCK = 1 << 20
+BLOCK = 1 << 16
 #: Elements computed at once when a slice is assembled row group by row group.
 CHUNK = 1 << 22
 #: Wrappers that compiling and checkpointing put into parameter names.

@@ -253,7 +253,7 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
 #: elements a rank computes at once while it materialises its part of a model built on meta: a row
 #: group and a random block, in fp32 (``boost_compile.meta_init``'s CHUNK and BLOCK), each at most
 #: the largest tensor's elements
-MATERIALISE_ELEMENTS = (1 << 22, 1 << 20)
+MATERIALISE_ELEMENTS = (1 << 22, 1 << 16)
 #: the build's dtype: a model is built in fp32, then cast to the weights' dtype
 BUILD_BYTES = 4
 
