@@ -471,19 +471,20 @@ def local_box(p: torch.Tensor) -> tuple[slice, ...] | None:
 
 @torch.no_grad()
 def materialize_(model: nn.Module, recipe: InitRecipe, device: torch.device | str,
-                 names: dict[int, str] | None = None) -> None:
+                 names: dict[str, str] | None = None) -> None:
     """Give every meta parameter of ``model`` its values, on ``device``: this rank's shard of a
     DTensor (FSDP2), else the whole parameter, one at a time. Buffers move to ``device``.
 
-    A parameter's recipe is found by its name in ``model`` (less wrapper segments), or by
-    ``names`` (``id(parameter) -> name``) for a module cut out of the model the recipe was
-    recorded on (a pipeline stage: ``split_model(..., memo=)`` says which copy is which).
+    A parameter's recipe is found by its name in ``model`` (less wrapper segments), mapped through
+    ``names`` (this module's name -> the name in the model the recipe was recorded on) for a module
+    cut out of it (a pipeline stage: ``split_model(..., memo=)`` says which copy is which).
     """
     device = torch.device(device)
     names = names or {}
 
     def key(name: str, p: torch.Tensor) -> str:
-        return names.get(id(p), name)
+        name = canonical_name(name)
+        return names.get(name, name)
 
     if any(p.is_meta and hasattr(p, "to_local") for p in model.parameters()):
         buffers = dict(model.named_buffers())

@@ -265,8 +265,8 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
 
     ``on_meta`` (``model.init=per_parameter`` without tensor parallelism or ``factorize``): the model
     is built on the meta device and each rank computes only what it holds: its stages' tensors, and
-    under FSDP2 (without a pipeline: a stage is materialised before it is sharded) its slice of each,
-    stored in the weights' dtype, plus the values computed at once (:data:`MATERIALISE_ELEMENTS`).
+    under FSDP2 its slice of each, stored in the weights' dtype, plus the values computed at once
+    (:data:`MATERIALISE_ELEMENTS`).
     Otherwise every rank builds the whole model in fp32 first, and sharding or splitting it holds the
     rank's part (in the weights' dtype) beside it until the whole goes.
     """
@@ -287,10 +287,10 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
     if on_meta and tp == 1:
         largest = max(t.numel for t in tensors)
         at_once = sum(min(n, largest) for n in MATERIALISE_ELEMENTS) * BUILD_BYTES
-        if dp_shard > 1 and pp == 1:  # FSDP2 shards on meta: each rank's slices, in the weights' dtype
+        if dp_shard > 1:  # FSDP2 shards on meta (of the model or its stages): each rank's slices, cast
             return busiest * prec.weights + at_once
-        # one process, DDP, a pipeline's stages: materialised whole in fp32 (then cast, then sharded)
-        return busiest * dp_shard * BUILD_BYTES + at_once
+        # one process, DDP, a pipeline's stages: materialised whole in fp32 (then cast)
+        return busiest * BUILD_BYTES + at_once
     whole = sum(t.numel for t in tensors)
     return whole * BUILD_BYTES + busiest * prec.weights
 

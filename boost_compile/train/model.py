@@ -112,7 +112,7 @@ def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
 
 
 def materialize_part(model: nn.Module, recipe: InitRecipe, device: torch.device, what: str,
-                     names: dict[int, str] | None = None) -> None:
+                     names: dict[str, str] | None = None) -> None:
     """:func:`boost_compile.meta_init.materialize_` of the part of the model this rank holds, logged
     with its size (``what``: the part, "the whole model", "its FSDP2 shards", ...)."""
     from boost_compile.meta_init import materialize_

@@ -196,6 +196,16 @@ def _parallelize_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc:
         log.info("stage %d: %s", i, report)
 
 
+def _original_names(stage: nn.Module, whole: nn.Module, memo: dict[int, Any]) -> dict[str, str]:
+    """Each of ``stage``'s parameter names -> the name of the whole model's parameter it was copied
+    from (``split_model``'s ``memo``: the original's id -> its copy)."""
+    from boost_compile.meta_init import canonical_name
+
+    original = {id(memo[id(p)]): n for n, p in whole.named_parameters(remove_duplicate=False) if id(p) in memo}
+    return {canonical_name(n): original[id(p)] for n, p in stage.named_parameters(remove_duplicate=False)
+            if id(p) in original}
+
+
 def _shard_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: TrainConfig, dev: Dist) -> None:
     """FSDP2 over each compiled stage (``parallel.dp_shard > 1``): its blocks, embedding and head as
     units, the stage the root (:func:`~boost_compile.train.fsdp.shard_model`), so that ``PipelineStage``
@@ -258,9 +268,11 @@ def build_pipeline_parts(
                   for i, memo in zip(indices, memos, strict=True)]
     except PipelineError as exc:
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
-    if recipe is not None:
-        for i, stage, memo in zip(indices, stages, memos, strict=True):  # a stage's parameters are copies: named by the original's name
-            names = {id(memo[id(p)]): n for n, p in whole.named_parameters(remove_duplicate=False) if id(p) in memo}
+    # a stage's parameters are copies: each named by its original's name in the whole model
+    renames = [_original_names(stage, whole, memo) for stage, memo in zip(stages, memos, strict=True)]
+    shard_first = dev.dp_shard > 1 and dev.tp == 1  # FSDP2 without TP: each rank materialises its slices
+    if recipe is not None and not shard_first:
+        for i, stage, names in zip(indices, stages, renames, strict=True):
             materialize_part(stage, recipe, dev.device, f"stage {i}", names)
     del whole, target, memos
     local_batch = tr.rank_batch(dev.dp)  # one micro-step's rows (the whole share without accumulation)
@@ -281,6 +293,9 @@ def build_pipeline_parts(
     compiled = [compile_model(stage, tc, dynamic=False, recorder=recorder) for stage in stages]
     if fsdp:
         _shard_stages(compiled, indices, tc, dev)
+        if recipe is not None and shard_first:
+            for i, stage, names in zip(indices, stages, renames, strict=True):
+                materialize_part(stage, recipe, dev.device, f"stage {i}'s FSDP2 shards", names)
         holder = bind()
     example = torch.zeros(micro_batch, tr.seq, dtype=torch.long, device=dev.device)
     loss = loss_fn

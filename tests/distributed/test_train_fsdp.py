@@ -218,9 +218,12 @@ def test_pp2_by_fsdp2_matches_single_process_and_resumes_in_one(references, tmp_
     checkpointing): PyTorch's PipelineStage runs every micro-batch's backward unreduced and reduce-scatters
     each stage once. Step 3's checkpoint (each stage's shards) resumes in one process within the rule."""
     layout = (*ONE, "parallel.pp=2", "parallel.dp_shard=2", "parallel.microbatches=2", "++passes.options.checkpoint=lowrank")
-    run4 = torchrun(4, list(layout), tmp_path / "ppfsdp")
+    run4 = torchrun(4, [*layout, *AT_START], tmp_path / "ppfsdp")
     assert_train_parity(run4, references, "pp2 x fsdp2, checkpoint=lowrank")
+    # each rank materialised its FSDP2 slices of its stage, sharded on meta: one process's weights
+    assert assert_starts_like_one_process(tmp_path / "ppfsdp") == TINY_TENSORS
     log = (tmp_path / "ppfsdp" / "train.log").read_text()
+    assert "materialised stage 0's FSDP2 shards" in log or "materialised stage 1's FSDP2 shards" in log
     assert "pp=2 dp=1x2 (fsdp2) tp=1" in log and "FSDP2 over 2: 2 units (tok_embeddings ... layers.0) and the root" in log
     checkpoint = tmp_path / "ppfsdp" / "checkpoints" / "step_000003"
     one = run(cfg_of(*ONE, "trainer.resume=true", f"checkpoint.resume_from={checkpoint}"), tmp_path / "one")
