@@ -272,18 +272,9 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
     """
     prec = PRECISIONS[precision]
     tensors = spec.tensors()
-    local = _local_numels(spec, plan, tp, vocab_parallel)
     stages = _stage_blocks(spec, pp * stages_per_rank)
-    busiest = 0
-    for rank in range(pp):
-        mine = range(rank, len(stages), pp)
-        blocks = {b for i in mine for b in stages[i]}
-        first, last = 0 in mine, len(stages) - 1 in mine
-        held = [k for t, k in zip(tensors, local, strict=True)
-                if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
-        if dp_shard > 1:
-            held = [fsdp_shard(k, dp_shard) for k in held]
-        busiest = max(busiest, sum(held))
+    busiest = max(sum(_rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard)[0])
+                  for rank in range(pp))
     if on_meta and tp == 1:
         largest = max(t.numel for t in tensors)
         at_once = sum(min(n, largest) for n in MATERIALISE_ELEMENTS) * BUILD_BYTES
@@ -311,6 +302,21 @@ def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tu
     return tuple((u.kind, u.tensors[0].block if u.kind == "block" else -1, local(u.tensors)) for u in fsdp_units(spec))
 
 
+def _rank_share(spec: ModelSpec, tensors: tuple[Tensor, ...], plan: str, tp: int, vocab_parallel: bool,
+                stages: tuple[range, ...], pp: int, rank: int, dp_shard: int) -> tuple[list[int], set[int], bool, bool]:
+    """Pipeline rank ``rank``'s tensors (it holds stages rank, rank + pp, ...): each one's local elements
+    (its FSDP2 slice when ``dp_shard > 1``), its blocks, and whether it holds the first and the last stage.
+    ``tensors``: ``spec.tensors()``, made once by the caller (the search prices thousands of layouts)."""
+    mine = range(rank, len(stages), pp)
+    blocks = {b for i in mine for b in stages[i]}
+    first, last = 0 in mine, len(stages) - 1 in mine
+    numels = [k for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel), strict=True)
+              if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
+    if dp_shard > 1:
+        numels = [fsdp_shard(k, dp_shard) for k in numels]
+    return numels, blocks, first, last
+
+
 @functools.lru_cache(maxsize=64)
 def _stage_blocks(spec: ModelSpec, stages: int) -> tuple[range, ...]:
     return tuple(stage_blocks(spec, stages))
@@ -335,16 +341,9 @@ def memory(
     m = microbatches if pp > 1 else 1
     tokens = replica // m * seq
     tensors = spec.tensors()
-    local_all = _local_numels(spec, plan, tp, vocab_parallel)
     best: Memory | None = None
     for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
-        mine = range(rank, len(stages), pp)  # the indices of this rank's stages
-        blocks = {b for i in mine for b in stages[i]}
-        first, last = 0 in mine, len(stages) - 1 in mine
-        numels = [k for t, k in zip(tensors, local_all, strict=True)
-                  if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
-        if dp_shard > 1:
-            numels = [fsdp_shard(k, dp_shard) for k in numels]
+        numels, blocks, first, last = _rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard)
         n = sum(numels)
         opt = 2 * (zero_share(numels, dp) if zero and dp > 1 and dp_shard == 1 else n)
         per_block = block_saved_elements(spec, plan, tp, checkpoint) * tokens * prec.activations
