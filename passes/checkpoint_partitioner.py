@@ -1,9 +1,12 @@
-"""The partitioner the boost backend hands to the inner compiler under activation checkpointing.
+"""The partitioner the boost backend hands to the inner compiler.
 
 ``CheckpointPartitioner`` is the partitioner the backend hands to the inner
-compiler when checkpoint != "none" (aot_eager: ``partition_fn``; Inductor:
-``custom_partitioner_fn``, whose ``uuid`` keys the AOT-autograd and FX caches,
-so a tagged graph never reuses an untagged compile). On the joint graph it
+compiler (aot_eager: ``partition_fn``; Inductor: ``custom_partitioner_fn``,
+whose ``uuid`` keys the AOT-autograd and FX caches, so a tagged graph never
+reuses an untagged compile). In every mode, checkpoint="none" included, the
+values computed from the parameters alone (a grouped GEMM's concatenated
+weights) are recomputed in backward rather than saved
+(``recompute_weight_copies``). Under checkpointing, on the joint graph it
 first forces every collective to MUST_SAVE (a tag inherited from a recomputed
 op, e.g. a DTensor linear that all-gathers, would otherwise win over the
 partitioner's own ``force_save_collectives``), keeps random ops when the graph
@@ -39,7 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from boost_compile import _torch_compat as compat
 from boost_compile.analysis import fx_utils
-from boost_compile.analysis.fx_utils import is_collective
+from boost_compile.analysis.fx_utils import is_collective, weight_only_nodes
 from boost_compile.config import BoostConfig
 from boost_compile.pass_manager import PassReport
 from boost_compile.passes.activation_checkpoint import META_KEY, RECOMPUTE, SAVE
@@ -57,6 +60,33 @@ def force_save_collectives(joint: fx.GraphModule) -> int:
             info = (node.meta.get("custom") or {}).get(META_KEY)
             if info is not None and info.get("role") != "collective":  # for the report
                 node.meta["custom"] = {**node.meta["custom"], META_KEY: {**info, "role": "collective"}}
+    return changed
+
+
+def recompute_weight_copies(joint: fx.GraphModule, static: set[str]) -> int:
+    """Values computed from the parameters alone are recomputed in backward, not saved; returns how many were tagged.
+
+    ``group_linears`` concatenates a group's weights in the graph each step; left to the partitioner,
+    the backward keeps the concatenation (its input gradient reads it) and with it a second copy of
+    the group's weights until the backward reaches them. Under FSDP2 that copy is unsharded: it
+    outlives the all-gathered parameters FSDP2 frees after the forward (about a layer's q/k/v and
+    gate/up weights per layer, the whole model's in one rank for a dense Llama). Recomputing it from
+    the parameters costs one copy of the group's weights in backward. Random ops, collectives and
+    effectful nodes are never tagged (nor what they feed), and neither is a node already MUST_SAVE.
+    """
+    weight_only = weight_only_nodes(joint.graph, static)
+    replayable: set[fx.Node] = set()
+    for node in joint.graph.nodes:  # topological: a node comes after what it reads
+        unsafe = (is_collective(node, bodies=False) or node.is_impure()
+                  or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()))
+        inputs_ok = all(a in replayable or a.op == "placeholder" for a in node.all_input_nodes)
+        if node in weight_only and not unsafe and inputs_ok:
+            replayable.add(node)
+    changed = 0
+    for node in replayable:
+        if node.meta.get("recompute") not in (SAVE, RECOMPUTE):
+            node.meta["recompute"] = RECOMPUTE
+            changed += 1
     return changed
 
 
@@ -103,13 +133,14 @@ class CheckpointPartitioner(compat.CustomPartitionerFn):
         self.sink = sink
 
     def __call__(self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any):
-        if self.mode != "none":
-            force_save_collectives(gm)
-            keep_random_ops_beside_opaque_inputs(gm)
         num_fwd_outputs = kwargs.get("num_fwd_outputs")
         primals = [n.name for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
         indices = kwargs.get("static_lifetime_input_indices") or []
         static = {primals[i] for i in indices if i < len(primals)}
+        if self.mode != "none":
+            force_save_collectives(gm)
+            keep_random_ops_beside_opaque_inputs(gm)
+        recompute_weight_copies(gm, static)
         if self.base == "default":
             kwargs.pop("compiler", None)
             fw, bw = compat.default_partition(gm, joint_inputs, **kwargs)
@@ -134,19 +165,18 @@ class CheckpointPartitioner(compat.CustomPartitionerFn):
 
     def uuid(self) -> str:
         src = inspect.getsource(inspect.getmodule(type(self)))
-        src += "".join(inspect.getsource(f) for f in (fx_utils.is_collective, fx_utils.collective_kind, fx_utils.forward_bodies))
+        src += "".join(inspect.getsource(f) for f in (fx_utils.is_collective, fx_utils.collective_kind, fx_utils.forward_bodies,
+                                                 fx_utils.weight_only_nodes))
         key = json.dumps({"mode": self.mode, "budget": self.budget, "base": self.base})
         return hashlib.sha256((src + key).encode()).hexdigest()
 
 
-def checkpoint_partitioner(config: BoostConfig, sink: list[PassReport] | None = None) -> CheckpointPartitioner | None:
-    """The partitioner for ``config``, or None to keep the inner compiler's own.
+def checkpoint_partitioner(config: BoostConfig, sink: list[PassReport] | None = None) -> CheckpointPartitioner:
+    """The partitioner for ``config``.
 
-    checkpoint="none" keeps the default unless a ``sink`` asks to record the saved
-    tensors; then the default partitioner is wrapped, not changed (aot_eager's is
-    ``default_partition``, Inductor's is min-cut).
+    checkpoint="none" wraps the inner compiler's own partitioner (aot_eager's is
+    ``default_partition``, Inductor's is min-cut): it tags no activation, only the
+    values computed from the parameters alone (``recompute_weight_copies``).
     """
-    if config.checkpoint == "none" and sink is None:
-        return None
     base = "default" if config.checkpoint == "none" and config.inner == "aot_eager" else "min_cut"
     return CheckpointPartitioner(config, base=base, sink=sink)

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from boost_compile import _torch_compat as compat
-from boost_compile.analysis.fx_utils import is_collective, module_block, module_path
+from boost_compile.analysis.fx_utils import is_collective, module_block, module_path, weight_only_nodes
 from boost_compile.pass_manager import PassReport
 from boost_compile.passes.activation_checkpoint import META_KEY
 
@@ -108,7 +108,7 @@ def saved_tensors_report(
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     fw_calls = {n.name: n for n in fw.graph.nodes if n.op == "call_function"}
     static = static_inputs or set()
-    weight_only = _weight_only(fw.graph, static)
+    weight_only = weight_only_nodes(fw.graph, static)
 
     def block_of(node: fx.Node) -> str:
         src = fw_nodes.get(node.name)
@@ -176,18 +176,6 @@ def saved_tensors_report(
     }
     report.found = [s["name"] for s in saved]
     return report
-
-
-def _weight_only(graph: fx.Graph, static: set[str]) -> set[fx.Node]:
-    """Call nodes whose every placeholder ancestor is a parameter or buffer."""
-    out: set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        inputs = node.all_input_nodes
-        if all(a in out or (a.op == "placeholder" and a.name in static) for a in inputs):
-            out.add(node)
-    return out
 
 
 def activation_bytes(report: PassReport) -> dict[str, int]:

@@ -342,6 +342,21 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def weight_only_nodes(graph: fx.Graph, static: set[str]) -> set[fx.Node]:
+    """Call nodes whose every placeholder ancestor is a parameter or buffer (a name in ``static``).
+
+    The concatenated weights of a grouped GEMM, a weight's transpose or cast, RoPE tables: values
+    that depend on the module's state alone, not on the batch.
+    """
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if all(a in out or (a.op == "placeholder" and a.name in static) for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 def unused_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
     """The nodes nobody reads: take them before a pass, and keep them after it."""
     return frozenset(n for n in graph.nodes if not n.users)

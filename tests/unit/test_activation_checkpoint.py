@@ -159,9 +159,10 @@ def test_pass_runs_last_and_only_when_asked():
     assert GRAPH_PASSES[-1] is CheckpointPass
     assert not CheckpointPass(BoostConfig()).enabled()
     assert CheckpointPass(BoostConfig(checkpoint="lowrank")).enabled()
-    # "none" keeps the inner compiler's own partitioner unless someone records
-    assert checkpoint_partitioner(BoostConfig()) is None
-    assert checkpoint_partitioner(BoostConfig(checkpoint="full")) is not None
+    # "none" wraps the inner compiler's own partitioner (for the weight copies, below)
+    assert checkpoint_partitioner(BoostConfig(inner="aot_eager")).base == "default"
+    assert checkpoint_partitioner(BoostConfig(inner="inductor")).base == "min_cut"
+    assert checkpoint_partitioner(BoostConfig(checkpoint="full")).base == "min_cut"
 
 
 def test_partitioner_uuid_follows_mode_and_budget():
@@ -205,6 +206,22 @@ def test_parity_with_the_fused_norm_op():
 
 
 # ----------------------------------------------------------------------------- what is saved
+
+
+@pytest.mark.parametrize("name, inner", [
+    ("tiny-dense", "aot_eager"), ("tiny", "aot_eager"),
+    pytest.param("tiny-1", "inductor", marks=[pytest.mark.slow, pytest.mark.extended]),
+])
+def test_no_checkpointing_keeps_no_copy_of_the_weights(name, inner):
+    """checkpoint="none": group_linears' concatenated weights (q/k/v, gate/up; their down factors
+    when low-rank) are recomputed in backward, not saved. Saved, they are a second copy of the
+    grouped weights for the whole backward, and under FSDP2 an unsharded one. Both inner
+    partitioners saved them before (aot_eager's default and Inductor's min-cut)."""
+    got = run(name, "none", inner)
+    assert [s for s in got.saved.details["saved"] if s["kind"] == "weight"] == []
+    n_layers = 1 if name == "tiny-1" else LlamaConfig.preset(name).n_layers
+    assert got.saved.details["recomputed"]["-"]["aten.cat"] == 2 * n_layers  # q/k/v and gate/up
+    assert_parity(got, name)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-lowrank", "tiny-lax"])
