@@ -368,6 +368,13 @@ def resolve_process_group(group_name: str) -> Any:
     return torch.distributed.distributed_c10d._resolve_process_group(group_name)
 
 
+try:  # FSDP2's interfaces for custom collectives (``FSDPModule.set_custom_all_gather`` / ``_reduce_scatter``)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FsdpAllGather
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FsdpReduceScatter
+except ImportError:  # a build without distributed
+    FsdpAllGather = FsdpReduceScatter = object  # type: ignore[misc,assignment]
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """``mesh``'s dims as one dim called ``name``, reachable from the root mesh as ``root[name]``."""
     return mesh._flatten(name)
