@@ -7,7 +7,8 @@ weights are gathered at a time; the input embedding and the output head (with th
 which feeds only it) are units of their own; the root takes what is left. A unit's weights are
 all-gathered before its forward (issued as the unit before it starts computing: ``prefetch``)
 and, with ``reshard_after_forward``, freed after it and gathered again for its backward (issued
-as the unit after it starts its backward); its gradients are reduce-scattered as its backward ends.
+as the unit after it starts its backward), except a plain embedding's, which its backward does not
+read; its gradients are reduce-scattered as its backward ends.
 
     embeddings -> block 0 -> ... -> block n-1 -> [norm, head] -> root (the rest)
 
@@ -18,7 +19,8 @@ shared transformer from several layers) form one unit, gathered for each of them
 bf16 and the gradients are reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``); the sharded
 weights the optimizer steps stay fp32. With ``parallel.dp > 1`` the mesh is 2-D (HSDP): each of
 ``dp`` replicas holds the model sharded over its ``dp_shard`` ranks, and gradients are
-reduce-scattered within a replica, then all-reduced across replicas.
+reduce-scattered within a replica, then all-reduced across replicas. On host memory (gloo) the
+all-gathers and reduce-scatters are ``distributed.host_comms``'s, which allocate no second buffer.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from boost_compile.blocks import find_blocks, find_head
+from boost_compile.distributed.host_comms import use_in_place_host_comms
 
 log = logging.getLogger("boost_compile.train")
 
@@ -125,13 +128,29 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
         # are not a tensor FSDP2 hooks its re-gather for the backward on
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
                     reshard_after_forward=reshard_after_forward and unit is not head)
+        if reshard_after_forward and all(_backward_reads_no_weight(m) for m in modules):
+            modules[0].set_unshard_in_backward(False)
+            log.info("FSDP2: %s is not gathered again for its backward (a plain embedding reads no weight there)",
+                     "+".join(unit))
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward needs it first
     prefetch(model, units)
+    if use_in_place_host_comms([model, *(model.get_submodule(unit[0]) for unit in units)], mesh):
+        log.info("FSDP2 on host memory: all-gathers and reduce-scatters in place, one call per rank (gloo's own "
+                 "would allocate up to 2x a unit's weights again)")
     if specs:
         keep_tp_specs(model, [n for unit in units for n in unit], specs)
     log.info("FSDP2 over %s: %d units (%s ... %s) and the root", "x".join(map(str, mesh.shape)), len(units),
              "+".join(units[0]), "+".join(units[-1]))
     return units
+
+
+def _backward_reads_no_weight(module: nn.Module) -> bool:
+    """A plain ``nn.Embedding`` (its own forward, no ``max_norm``): its weight's gradient is a
+    scatter of the output's by token, so its backward reads the token ids, never the weight.
+    FSDP2 then skips gathering it again for the backward: a vocabulary-sized unit (125 MiB for a
+    32k x 1024 table, twice that while the gather is copied out) that the backward's end, where the
+    gradients peak, would otherwise hold."""
+    return type(module).forward is nn.Embedding.forward and getattr(module, "max_norm", None) is None
 
 
 def prefetch(model: nn.Module, units: list[list[str]]) -> None:

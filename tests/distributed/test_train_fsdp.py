@@ -78,6 +78,8 @@ def test_fsdp2_matches_single_process(fsdp2, references):
     assert "compiled 2 blocks one by one" in log
     # units: the embedding, each block, the final norm with the head; then the root
     assert "FSDP2 over 2: 4 units (tok_embeddings ... norm+output) and the root" in log
+    assert "FSDP2: tok_embeddings is not gathered again for its backward" in log
+    assert "FSDP2 on host memory: all-gathers and reduce-scatters in place" in log
     # each data rank draws its own random numbers (its own dropout masks), as DDP's replicas do
     states = rng_states(Path(fsdp2["run_dir"]) / "checkpoints" / "step_000006")
     assert sorted(states) == [0, 1] and not torch.equal(states[0], states[1])

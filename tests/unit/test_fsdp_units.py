@@ -59,3 +59,19 @@ def test_blocks_that_share_a_parameter_form_one_unit_at_the_first_ones_place():
             for p in model.get_submodule(name).parameters():
                 owners.setdefault(id(p), set()).add(i)
     assert all(len(o) == 1 for o in owners.values())
+
+
+def test_only_a_plain_embedding_skips_the_gather_for_its_backward():
+    """FSDP2 gathers a unit again for its backward unless told it reads no weight there: true of
+    ``nn.Embedding``'s own forward (its weight's gradient scatters the output's by token), not of a
+    subclass with a forward of its own, nor under ``max_norm`` (which renormalises the weight)."""
+    from boost_compile.train.fsdp import _backward_reads_no_weight
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * self.weight.norm()
+
+    assert _backward_reads_no_weight(nn.Embedding(8, 4))
+    assert not _backward_reads_no_weight(nn.Embedding(8, 4, max_norm=1.0))
+    assert not _backward_reads_no_weight(Scaled(8, 4))
+    assert not _backward_reads_no_weight(nn.Linear(4, 8))
