@@ -148,7 +148,10 @@ class CheckedOnFirstCall:
     def __call__(self, *args: Any) -> Any:
         if self.verifier is not None:
             verifier, self.verifier = self.verifier, None
-            self.fn = self._checked(verifier)
+            try:
+                self.fn = self._checked(verifier)
+            finally:
+                verifier.release()
             self.example_inputs = ()
         return self.fn(*args)
 
