@@ -42,11 +42,15 @@ in FSDP2's ``param_dtype`` (bf16 under bf16-mixed, else the weights'):
   and, with ``reshard_after_forward=false``, the embedding;
 - ``fsdp_accum``: under gradient accumulation, the unsharded gradients the micro-steps
   before the last keep (``set_requires_gradient_sync(False)``), in the reduce dtype;
-- and in ``temporary`` at the backward, the reduce-scatter's input of the largest unit:
-  its unsharded gradient and its copy in the reduce dtype, or under checkpointing the block
-  being recomputed when that is larger: a unit's gradients are reduce-scattered after its
-  backward, once what it recomputed is freed, so the two are never live together (summed, they
-  put cola-60m's FSDP2 2 lowrank peak 6% over the measured one; ``boost-bench plan --only fsdp``).
+- and in ``temporary`` at the backward, the reduce-scatter's input of the largest unit beyond
+  what it frees: FSDP2 frees a unit's gathered weights after its backward, before it copies the
+  unit's unsharded gradient into the reduce-scatter's input (in the reduce dtype), so the gradient
+  takes the weights' place and the copy is the transient; or under checkpointing the block being
+  recomputed when that is larger: a unit's gradients are reduce-scattered after its backward,
+  once what it recomputed is freed, so the two are never live together (summed, they put
+  cola-60m's FSDP2 2 lowrank peak 6% over the measured one; ``boost-bench plan --only fsdp``).
+  A llama-350m (vocabulary 32,000) rank of FSDP2 8 peaks as its head's gradients are reduced:
+  counting the head's weights as well put the prediction 10% over the measured peak.
 
 All four live at the backward; the optimizer step holds only the slices.
 
@@ -247,7 +251,8 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
         "fsdp_kept": sum(kept) * prec.gathered,
         "fsdp_accum": sum(sizes) * prec.weights if accumulating else 0,
     }
-    return terms, max(sizes) * (prec.gathered + prec.weights)
+    # the unit's unsharded gradient replaces its gathered weights (freed first); its reduce-dtype copy is new
+    return terms, max(sizes) * prec.weights
 
 
 #: elements a rank computes at once while it materialises its part of a model built on meta: a row
