@@ -362,7 +362,7 @@ def test_unknown_head_is_refused():
 
 @pytest.mark.parametrize(
     ("name", "peak", "hbm", "nvlink"),
-    [("a100-80gb-nvlink", 312e12, 2.0e12, 300e9), ("h200", 989e12, 4.8e12, 450e9)],
+    [("a100-80gb-nvlink", 312e12, 2.0e12, 300e9), ("h100", 989e12, 3.35e12, 450e9), ("h200", 989e12, 4.8e12, 450e9)],
 )
 def test_bundled_hardware_files(name, peak, hbm, nvlink):
     hw = hardware.load_hardware(name)
