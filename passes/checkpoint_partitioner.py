@@ -63,7 +63,34 @@ def force_save_collectives(joint: fx.GraphModule) -> int:
     return changed
 
 
-def recompute_weight_copies(joint: fx.GraphModule, static: set[str]) -> int:
+def _returned_from_parameters(joint: fx.GraphModule, static: set[str], num_fwd_outputs: int | None) -> set[str]:
+    """The parameters and buffers behind a forward output computed from them alone.
+
+    Such an output is, in a training graph, usually the new value of an input the forward mutates
+    (Gemma 3n clamps a weight in place: ``weight.data.clamp_``), which AOT autograd copies into the
+    input after the forward: recomputed in backward from that input, it would read the new value
+    (autograd refuses the saved input, whose version moved: tests/unit/test_zoo.py's gemma3n_text
+    raised so before this exclusion)."""
+    if num_fwd_outputs is None:
+        return set(static)  # unknown: recompute nothing
+    (output,) = joint.graph.find_nodes(op="output")
+    returned = [n for n in compat.tree_leaves(output.args)[:num_fwd_outputs] if isinstance(n, fx.Node)]
+    weight_only = weight_only_nodes(joint.graph, static)
+    found: set[str] = set()
+    stack = [n for n in returned if n in weight_only or n.name in static]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            found.add(node.name)
+        stack.extend(node.all_input_nodes)
+    return found
+
+
+def recompute_weight_copies(joint: fx.GraphModule, static: set[str], num_fwd_outputs: int | None = None) -> int:
     """Values computed from the parameters alone are recomputed in backward, not saved; returns how many were tagged.
 
     ``group_linears`` concatenates a group's weights in the graph each step; left to the partitioner,
@@ -72,8 +99,10 @@ def recompute_weight_copies(joint: fx.GraphModule, static: set[str]) -> int:
     outlives the all-gathered parameters FSDP2 frees after the forward (about a layer's q/k/v and
     gate/up weights per layer, the whole model's in one rank for a dense Llama). Recomputing it from
     the parameters costs one copy of the group's weights in backward. Random ops, collectives and
-    effectful nodes are never tagged (nor what they feed), and neither is a node already MUST_SAVE.
+    effectful nodes are never tagged (nor what they feed), nor a node already MUST_SAVE, nor anything
+    computed from a parameter the forward returns a value of (``_returned_from_parameters``).
     """
+    static = static - _returned_from_parameters(joint, static, num_fwd_outputs)
     weight_only = weight_only_nodes(joint.graph, static)
     replayable: set[fx.Node] = set()
     for node in joint.graph.nodes:  # topological: a node comes after what it reads
@@ -140,7 +169,7 @@ class CheckpointPartitioner(compat.CustomPartitionerFn):
         if self.mode != "none":
             force_save_collectives(gm)
             keep_random_ops_beside_opaque_inputs(gm)
-        recompute_weight_copies(gm, static)
+        recompute_weight_copies(gm, static, num_fwd_outputs)
         if self.base == "default":
             kwargs.pop("compiler", None)
             fw, bw = compat.default_partition(gm, joint_inputs, **kwargs)
@@ -167,7 +196,8 @@ class CheckpointPartitioner(compat.CustomPartitionerFn):
         src = inspect.getsource(inspect.getmodule(type(self)))
         src += "".join(inspect.getsource(f) for f in (fx_utils.is_collective, fx_utils.collective_kind, fx_utils.forward_bodies,
                                                  fx_utils.weight_only_nodes))
-        key = json.dumps({"mode": self.mode, "budget": self.budget, "base": self.base})
+        # a recording compile is keyed apart: a cache hit would skip the partitioner, and the report with it
+        key = json.dumps({"mode": self.mode, "budget": self.budget, "base": self.base, "records": self.sink is not None})
         return hashlib.sha256((src + key).encode()).hexdigest()
 
 

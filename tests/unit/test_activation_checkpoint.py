@@ -172,10 +172,12 @@ def test_partitioner_uuid_follows_mode_and_budget():
     assert uuid(checkpoint="lowrank") == uuid(checkpoint="lowrank")
     assert uuid(checkpoint="lowrank") != uuid(checkpoint="full")
     assert uuid(checkpoint="budget", checkpoint_budget=0.5) != uuid(checkpoint="budget", checkpoint_budget=0.3)
-    # the sink is run-time state, not part of the key (and survives Inductor's config deepcopy)
+    # whether it records is part of the key (a cache hit would skip the partitioner and its report);
+    # the sink itself is run-time state (and survives Inductor's config deepcopy)
     sink: list = []
     p = CheckpointPartitioner(BoostConfig(checkpoint="lowrank"), sink=sink)
-    assert p.uuid() == uuid(checkpoint="lowrank") and copy.deepcopy(p).sink is sink
+    assert p.uuid() != uuid(checkpoint="lowrank") and copy.deepcopy(p).sink is sink
+    assert p.uuid() == CheckpointPartitioner(BoostConfig(checkpoint="lowrank"), sink=[]).uuid()
 
 
 # ----------------------------------------------------------------------------- parity
@@ -596,3 +598,4 @@ def test_explain_shows_what_is_saved_and_recomputed(tmp_path):
     data = report.to_dict()["graphs"][0]["saved_tensors"][0]["details"]
     assert {s["role"] for s in data["saved"]} >= {"residual", "down layers.0.attention.o_proj"}
     report.save(tmp_path)
+
