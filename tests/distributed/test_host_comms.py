@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,6 +60,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.extended  # make test's FSDP2 runs (test_train_fsdp.py) use these collectives, judged by parity
 def test_in_place_collectives_equal_gloos_and_allocate_no_second_buffer(tmp_path, monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")  # read by each spawned interpreter's glibc
     out = str(tmp_path / "result")
