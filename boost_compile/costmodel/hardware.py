@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 
 DEFAULT_HARDWARE = "a100-80gb-nvlink"
-HARDWARE_FILES = ("a100-80gb-nvlink", "h200", "cpu")
+HARDWARE_FILES = ("a100-80gb-nvlink", "h100", "h200", "cpu")
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def peak_flops_for(hw: Hardware, dtype: str) -> float | None:
 
 
 def load_hardware(name_or_path: str = DEFAULT_HARDWARE) -> Hardware:
-    """A bundled hardware file by name (``a100-80gb-nvlink``, ``h200``) or any JSON file by path."""
+    """A bundled hardware file by name (``a100-80gb-nvlink``, ``h100``, ``h200``) or any JSON file by path."""
     if (
         os.path.sep in name_or_path
         or name_or_path.endswith(".json")
