@@ -23,7 +23,6 @@ values that owner computed. Only for gloo: NCCL's collectives allocate nothing o
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,6 @@ import torch.distributed as dist
 
 from boost_compile import _torch_compat as compat
 
-log = logging.getLogger("boost_compile.train")
 
 
 def _slices(t: torch.Tensor, world: int) -> list[torch.Tensor]:
