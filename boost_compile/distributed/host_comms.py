@@ -32,7 +32,6 @@ import torch.distributed as dist
 from boost_compile import _torch_compat as compat
 
 
-
 def _slices(t: torch.Tensor, world: int) -> list[torch.Tensor]:
     """``t`` (1-D, FSDP2's flat buffer) as ``world`` equal contiguous slices."""
     if t.dim() != 1 or t.numel() % world:
