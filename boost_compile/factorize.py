@@ -14,6 +14,11 @@ Initialisation:
 - ``"svd"``: truncated SVD in fp32, sqrt of the singular values split into both
   factors; the reconstruction error is exactly the discarded singular-value energy.
 - ``"random"``: CoLA's N(0,1) * r^-1/4 * (d_in + d_out)^-1/4 for both factors.
+
+A model on the meta device (``boost_compile/meta_init.py``: nothing computed yet) is factorized
+on meta: the bottlenecks are made there and ``report.source(base, seed)`` gives their values when
+the model is materialised, slice by slice (:class:`FactorSource`): an SVD of one dense weight at a
+time, read whole from ``base``, or the random factors drawn per parameter.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import torch.nn as nn
 
 from boost_compile.analysis import capture_views
 from boost_compile.config import FactorizeConfig
+from boost_compile.meta_init import InitRecipe, buffers_on_meta, canonical_name, deferred_init, is_on_meta
 from boost_compile.models.lowrank import LowRankLinear, break_even_rank, cola_std
+from boost_compile.weight_sources import Sources, WeightSource
 
 log = logging.getLogger("boost_compile")
 
@@ -96,12 +103,71 @@ class FactorizedLayer:
     params_after: int
 
 
+@dataclass(frozen=True)
+class SvdFactor:
+    """A factor of the truncated SVD of the dense weight ``dense`` (``part``: "down", "up", or
+    "bias", the dense layer's bias kept); ``transposed``: a ``Conv1D``'s [d_in, d_out] weight."""
+
+    dense: str
+    rank: int
+    part: str
+    transposed: bool = False
+
+
+class FactorSource:
+    """The values of the factors ``factorize_`` made on the meta device: an SVD factor from its
+    dense weight, read whole from ``base`` and decomposed once for both factors (the last layer's
+    kept: peak one layer's dense weight and its factors), a random factor drawn per parameter."""
+
+    def __init__(self, base: WeightSource, svd: dict[str, SvdFactor], drawn: InitRecipe) -> None:
+        self.base, self.svd, self.drawn = base, svd, drawn
+        self._last: tuple[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def has(self, name: str) -> bool:
+        return canonical_name(name) in self.svd or self.drawn.has(name)
+
+    def shape(self, name: str) -> torch.Size:
+        name = canonical_name(name)
+        if name not in self.svd:
+            return self.drawn.shape(name)
+        f = self.svd[name]
+        if f.part == "bias":
+            return self.base.shape(f.dense)
+        d_out, d_in = self.base.shape(f.dense)[:: -1 if f.transposed else 1]
+        return torch.Size((f.rank, d_in) if f.part == "down" else (d_out, f.rank))
+
+    def values(self, name: str, box: tuple[slice, ...] | None = None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        name = canonical_name(name)
+        if name not in self.svd:
+            return self.drawn.values(name, box, dtype)
+        f = self.svd[name]
+        if f.part == "bias":
+            return self.base.values(f.dense, box, dtype)
+        if self._last is None or self._last[0] != (f.dense, f.rank):
+            self._last = None  # freed before the next layer is read
+            weight = self.base.values(f.dense, None, torch.float32)
+            self._last = ((f.dense, f.rank), svd_factors(weight.t() if f.transposed else weight, f.rank))
+        down, up = self._last[1]
+        factor = down if f.part == "down" else up
+        return (factor[box] if box is not None else factor).to(dtype)
+
+
 @dataclass
 class FactorizeReport:
     """What ``factorize_`` changed, and what it left dense and why."""
 
     layers: list[FactorizedLayer] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    #: on the meta device: each SVD factor's source, by the factor's name
+    svd: dict[str, SvdFactor] = field(default_factory=dict)
+    #: on the meta device: the random factors' init, by name
+    drawn: InitRecipe = field(default_factory=InitRecipe)
+
+    def source(self, base: WeightSource) -> Sources:
+        """The values of a model factorized on meta: its factors (:class:`FactorSource`), then
+        ``base`` for every parameter ``factorize_`` did not replace."""
+        return Sources(FactorSource(base, self.svd, self.drawn), base)
 
     @property
     def params_before(self) -> int:
@@ -147,6 +213,7 @@ def factorize_(
     filter_fn: FilterFn | None = None,
     *,
     example_inputs: Sequence[Any] | None = None,
+    seed: int = 0,
 ) -> FactorizeReport:
     """Replace dense ``nn.Linear`` (and ``Conv1D``) layers of ``model`` by ``LowRankLinear``, in place.
 
@@ -154,17 +221,27 @@ def factorize_(
     found in the graph captured from ``example_inputs`` (default: a small token
     batch for a model with an embedding). With ``filter_fn(module, fqn)``, every
     ``nn.Linear`` it accepts is factorized.
+
+    A model on the meta device gets bottlenecks on meta; ``report.source(base)`` gives their
+    values (``seed``: that of the random factors' per-parameter draws).
     """
     if not isinstance(config, FactorizeConfig):
         raise TypeError(f"factorize_ takes a FactorizeConfig, got {type(config).__name__}")
     linears = [(n, m) for n, m in model.named_modules() if dense_projection(m) is not None]
+    on_meta = is_on_meta(model)
     if filter_fn is None:
-        chosen = block_linear_names(model, example_inputs or default_example_inputs(model))
+        example = example_inputs or default_example_inputs(model)
+        if on_meta:  # captured on meta: buffers and inputs there too
+            with buffers_on_meta(model):
+                meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example]
+                chosen = block_linear_names(model, meta)
+        else:
+            chosen = block_linear_names(model, example)
         selected = [(n, m) for n, m in linears if n in chosen]
     else:
         selected = [(n, m) for n, m in linears if filter_fn(m, n)]
 
-    report = FactorizeReport()
+    report = FactorizeReport(drawn=InitRecipe(seed=seed))
     for fqn, linear in selected:
         d_in, d_out, _weight = dense_projection(linear)
         rank = config.rank_for(d_in, d_out)
@@ -176,7 +253,7 @@ def factorize_(
             warnings.warn(f"factorize_: {fqn} left dense: {why}", stacklevel=2)
             report.skipped.append((fqn, why))
             continue
-        new = _bottleneck_from(linear, rank, config)
+        new = _meta_bottleneck(linear, fqn, rank, config, report) if on_meta else _bottleneck_from(linear, rank, config)
         _set_submodule(model, fqn, new)
         report.layers.append(
             FactorizedLayer(
@@ -212,6 +289,34 @@ def _bottleneck_from(linear: nn.Module, rank: int, config: FactorizeConfig) -> L
         if bias is not None:
             # svd keeps the layer's function, bias included; random starts from zero
             new.up.bias.copy_(bias if config.init == "svd" else torch.zeros_like(bias))
+    new.train(linear.training)
+    return new
+
+
+def _meta_bottleneck(linear: nn.Module, fqn: str, rank: int, config: FactorizeConfig,
+                     report: FactorizeReport) -> LowRankLinear:
+    """The bottleneck for ``linear`` on the meta device, its values' sources added to ``report``:
+    an SVD of the dense weight (and the dense bias), or CoLA's draws recorded per parameter."""
+    d_in, d_out, weight = dense_projection(linear)
+    bias = getattr(linear, "bias", None)
+    with deferred_init(report.drawn.seed) as recording:
+        new = LowRankLinear(d_in, d_out, rank, bias=bias is not None, activation=config.activation,
+                            dtype=weight.dtype)
+    if config.init == "svd":
+        if config.activation is not None:
+            warnings.warn("factorize_: init='svd' with an activation between the factors does not "
+                          "approximate the dense layer; use init='random' to train from scratch", stacklevel=3)
+        dense = canonical_name(f"{fqn}.weight")
+        transposed = not isinstance(linear, nn.Linear)
+        report.svd[f"{canonical_name(fqn)}.down.weight"] = SvdFactor(dense, rank, "down", transposed)
+        report.svd[f"{canonical_name(fqn)}.up.weight"] = SvdFactor(dense, rank, "up", transposed)
+        if bias is not None:
+            report.svd[f"{canonical_name(fqn)}.up.bias"] = SvdFactor(canonical_name(f"{fqn}.bias"), rank, "bias")
+    else:  # the module's own CoLA init, recorded: N(0, std) for both factors, a zero bias
+        recipe = recording.recipe(new)
+        for name, steps in recipe.steps.items():
+            report.drawn.steps[f"{canonical_name(fqn)}.{name}"] = steps
+            report.drawn.shapes[f"{canonical_name(fqn)}.{name}"] = recipe.shapes[name]
     new.train(linear.training)
     return new
 

@@ -42,13 +42,12 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from boost_compile import _torch_compat as compat
+from boost_compile.weight_sources import Index, WeightSource, canonical_name, narrowed, slice_values
 
 #: Elements per random block: a rank draws whole blocks and keeps its part of them.
 BLOCK = 1 << 16
 #: Elements computed at once when a slice is assembled row group by row group.
 CHUNK = 1 << 22
-#: Wrappers that compiling and checkpointing put into parameter names.
-_WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
 
 class MetaInitError(ValueError):
@@ -90,17 +89,16 @@ class InitRecipe:
             return _whole(steps, key, shape)[box].to(dtype)
         return _sliced(steps, key, shape, box).to(dtype)
 
+    def has(self, name: str) -> bool:
+        return canonical_name(name) in self.steps
+
+    def shape(self, name: str) -> torch.Size:
+        return self.shapes[canonical_name(name)]
+
     def host_bytes(self) -> int:
         """Bytes of the values kept whole on the host until materialised (``copy_`` sources)."""
         seen = {id(s.value): s.value for steps in self.steps.values() for s in steps if s.value is not None}
         return sum(v.numel() * v.element_size() for v in seen.values())
-
-
-def canonical_name(name: str) -> str:
-    """``name`` without the segments compile and checkpoint wrappers add (``_orig_mod.``)."""
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 # ----------------------------------------------------------------------------- recording
@@ -469,33 +467,56 @@ def local_box(p: torch.Tensor) -> tuple[slice, ...] | None:
     return dtensor_local_box(p)
 
 
-@torch.no_grad()
-def materialize_(model: nn.Module, recipe: InitRecipe, device: torch.device | str,
-                 names: dict[str, str] | None = None) -> None:
-    """Give every meta parameter of ``model`` its values, on ``device``: this rank's shard of a
-    DTensor (FSDP2), else the whole parameter, one at a time. Buffers move to ``device``.
+def local_index(p: torch.Tensor, whole: torch.Size, spec: Any = None) -> Index:
+    """Where this rank's elements of ``p`` lie in the whole parameter of shape ``whole``: its TP
+    shard (``spec``, ``parallelize_``'s ShardSpec, default ``p._boost_tp``) cut again to its DTensor
+    box (FSDP2)."""
+    from boost_compile.distributed.shard import shard_index
 
-    A parameter's recipe is found by its name in ``model`` (less wrapper segments), mapped through
-    ``names`` (this module's name -> the name in the model the recipe was recorded on) for a module
-    cut out of it (a pipeline stage: ``split_model(..., memo=)`` says which copy is which).
+    spec = getattr(p, "_boost_tp", None) if spec is None else spec
+    index: list[torch.Tensor | None] = [None] * len(whole)
+    if spec is not None and spec.dim is not None:
+        index[spec.dim] = shard_index(spec, whole[spec.dim])
+    return narrowed(tuple(index), local_box(p))
+
+
+@torch.no_grad()
+def materialize_(model: nn.Module, source: WeightSource, device: torch.device | str,
+                 names: dict[str, str] | None = None) -> None:
+    """Give every meta parameter of ``model`` its values from ``source`` (an :class:`InitRecipe`,
+    a checkpoint, factors; ``boost_compile/weight_sources.py``), on ``device``, one parameter at a
+    time: the part this rank holds, a TP shard (``_boost_tp``) and/or a DTensor shard (FSDP2), else
+    the whole parameter. Buffers move to ``device``.
+
+    A parameter's values are found by its name in ``model`` (less wrapper segments), mapped through
+    ``names`` (this module's name -> the name in the model the source knows) for a module cut out
+    of it (a pipeline stage: ``split_model(..., memo=)`` says which copy is which).
     """
     device = torch.device(device)
     names = names or {}
 
-    def key(name: str, p: torch.Tensor) -> str:
+    def key(name: str) -> str:
         name = canonical_name(name)
         return names.get(name, name)
 
+    def values(name: str, p: torch.Tensor, spec: Any) -> torch.Tensor:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        index = local_index(p, source.shape(name), spec)
+        return slice_values(source, name, index, local.shape, p.dtype)
+
     if any(p.is_meta and hasattr(p, "to_local") for p in model.parameters()):
         buffers = dict(model.named_buffers())
-        sharded = [(key(n, p), p) for n, p in model.named_parameters()]  # before to_empty replaces them
+        # before to_empty replaces them: each name and TP spec
+        sharded = [(key(n), getattr(p, "_boost_tp", None)) for n, p in model.named_parameters()]
         model.to_empty(device=device)  # FSDP2 re-creates its shards' storage here
         for name, b in model.named_buffers():
             if name in buffers and not buffers[name].is_meta:
                 b.copy_(buffers[name])
-        for (name, _), p in zip(sharded, model.parameters(), strict=True):
+        for (name, spec), p in zip(sharded, model.parameters(), strict=True):
+            if spec is not None:  # to_empty made new parameters: the TP spec back on them
+                p._boost_tp = spec
             local = p.to_local() if hasattr(p, "to_local") else p
-            local.copy_(recipe.values(name, local_box(p), p.dtype))
+            local.copy_(values(name, p, spec))
         return
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
@@ -508,7 +529,29 @@ def materialize_(model: nn.Module, recipe: InitRecipe, device: torch.device | st
     for name, p in list(model.named_parameters()):
         if not p.is_meta:
             continue
-        values = recipe.values(key(name, p), None, p.dtype).to(device)
-        new = type(p)(values, requires_grad=p.requires_grad)
+        new = type(p)(values(key(name), p, None).to(device), requires_grad=p.requires_grad)
+        new.__dict__.update(p.__dict__)  # what parallelize_ put on it (_boost_tp)
         for module, pname in owners[id(p)]:
             module._parameters[pname] = new
+
+
+@contextlib.contextmanager
+def buffers_on_meta(model: nn.Module) -> Iterator[None]:
+    """A model whose parameters are on the meta device, its buffers moved there too while it is
+    captured (a graph of meta tensors only: the blocks, the roles), put back after."""
+    moved = []
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and not b.is_meta:
+                moved.append((module, name, b))
+                module._buffers[name] = b.to("meta")
+    try:
+        yield
+    finally:
+        for module, name, b in moved:
+            module._buffers[name] = b
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is on the meta device (not materialised yet)."""
+    return any(p.is_meta for p in model.parameters())

@@ -346,6 +346,20 @@ def tiny_hf_llama(attn_implementation: str = "sdpa", seed: int = 0, vocab_size: 
     return transformers.LlamaForCausalLM(config)
 
 
+def save_hf_folder(folder: Path, tie: bool = False, seed: int = 1) -> list[str]:
+    """A pretrained Hugging Face folder as ``save_pretrained`` writes one: hf-tiny's Llama config,
+    bf16 safetensors in several shards with their index; the overrides that train from it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(
+        folder, max_shard_size="50KB")
+    assert (folder / "model.safetensors.index.json").exists()
+    return ["model=hf-tiny", "model.hf_config=null", f"model.hf_path={folder}", "model.pretrained=true"]
+
+
 # ----------------------------------------------------------------------------- boost-train
 
 # small and fast: 4 x 32 tokens, a 200 kB corpus, eager Dynamo capture

@@ -72,6 +72,7 @@ from boost_compile.distributed.shard import (
 from boost_compile.distributed.tp_blocks import block_layout
 from boost_compile.distributed.tp_roles import Roles, analyse, gemm_dim, repeat_roles
 from boost_compile.distributed.vanilla import apply_vanilla
+from boost_compile.meta_init import buffers_on_meta, is_on_meta
 
 log = logging.getLogger("boost_compile")
 
@@ -205,7 +206,12 @@ def parallelize_(
     validate(model, world, plan)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
-    roles = _analyse(model, example_inputs)
+    on_meta = is_on_meta(model)
+    if on_meta:  # built on meta (model.init=per_parameter): captured there, each rank materialises its shards after
+        with buffers_on_meta(model):
+            roles = _analyse(model, [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs])
+    else:
+        roles = _analyse(model, example_inputs)
     if plan == "auto":
         if roles.chains and not roles.dense:
             plan = "btp"
@@ -300,11 +306,15 @@ def parallelize_(
     if shard_logits:
         _shard_logits(model, roles, specs, params, world, plan)
     if stream_io or shard_logits:  # a stage's markers change its program: capture the sharded stage
+        if on_meta:
+            raise ParallelizeError("a pipeline stage on the meta device: materialise it before parallelize_")
         report.check = check_local_program(model, example_inputs, verify)
     else:
         gm = whole_view_graph(roles.view)
         report.check = check_captured(roles.view, copy.deepcopy(gm))
-        if verify:
+        if verify and on_meta:  # no values yet: the compile's verify checks this program at the first step
+            log.info("parallelize_: the model is on the meta device; its rank program is verified at the first step")
+        elif verify:
             report.verify = verify_rank_program(gm, roles.view.example_inputs, model)
     log.info("%s; %s", report, report.check.line())
     return report

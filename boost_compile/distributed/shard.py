@@ -74,6 +74,24 @@ def shard_tensor(
     return torch.cat([part.chunk(world, dim=dim)[rank] for part in t.split(list(sections), dim=dim)], dim=dim)
 
 
+def shard_index(spec: ShardSpec, size: int) -> torch.Tensor:
+    """Where each row (on ``spec.dim``) of the slice ``shard_tensor`` cuts for ``spec.rank`` lies in
+    the whole dim of ``size``: -1 for a padded vocabulary's zero tail. Each part (``sections``, or
+    the whole) is cut as ``torch.chunk`` cuts it."""
+    if spec.size is not None:  # padded: ceil(size / world) rows a rank, the last ones zeros
+        local = local_size(size, spec.world)
+        start = min(spec.rank * local, size)
+        mine = torch.arange(start, min(start + local, size))
+        return torch.cat([mine, torch.full((local - len(mine),), -1, dtype=torch.long)])
+    pieces, offset = [], 0
+    for part in spec.sections or (size,):
+        chunk = -(-part // spec.world)
+        start = min(spec.rank * chunk, part)
+        pieces.append(torch.arange(offset + start, offset + min(start + chunk, part)))
+        offset += part
+    return torch.cat(pieces)
+
+
 def aliases(model: nn.Module) -> dict[int, list[str]]:
     """Every name under which each parameter is reachable (a tied weight has several)."""
     out: dict[int, list[str]] = {}

@@ -227,8 +227,10 @@ class Trainer:
         the peak during it (RSS sampled, or CUDA's max allocated); in the summary as ``start``."""
         baseline = address_space_bytes()
         with PeakMemory(self.dev.device) as memory:
+            before = memory.mib  # RSS (or CUDA allocated) as the start begins
             yield
-        self.start_memory = {"baseline_vm_mib": baseline / 2**20 if baseline else None, "peak_mib": memory.mib}
+        self.start_memory = {"baseline_vm_mib": baseline / 2**20 if baseline else None, "peak_mib": memory.mib,
+                             "growth_mib": memory.mib - before}
         log.info("start: peak %.0f MiB (%s) building the model%s", memory.mib,
                  "CUDA max allocated" if self.dev.device.type == "cuda" else "RSS",
                  f", address space {baseline / 2**20:,.0f} MiB before it" if baseline else "")
@@ -394,9 +396,10 @@ class Trainer:
 
     def _start_summary(self) -> dict[str, float | None]:
         """The start's memory on the rank with the most of each (MiB): ``baseline_vm_mib`` (the address
-        space before the build), ``peak_mib`` (during it) and ``vm_peak_mib`` (the address space's
-        high-water mark over the run so far: what RLIMIT_AS must allow)."""
-        keys = ("baseline_vm_mib", "peak_mib", "vm_peak_mib")
+        space before the build), ``peak_mib`` (during it), ``growth_mib`` (that peak less what the
+        rank held as the start began: what the start itself costs) and ``vm_peak_mib`` (the address
+        space's high-water mark over the run so far: what RLIMIT_AS must allow)."""
+        keys = ("baseline_vm_mib", "peak_mib", "growth_mib", "vm_peak_mib")
         vm_peak = address_space_bytes("VmPeak")
         mine = {**self.start_memory, "vm_peak_mib": vm_peak / 2**20 if vm_peak else None}
         values = torch.tensor([float(mine.get(k) or -1.0) for k in keys], dtype=torch.float64)

@@ -76,7 +76,7 @@ def check_memory(tc: TrainConfig, dev: Dist) -> None:
     except ConfigError as exc:
         log.info("parallel.check_memory: not checked (%s)", exc)
         return
-    on_meta = defers_init(tc) and not tc.factorize.enabled
+    on_meta = defers_init(tc)
     job = Job(spec, tc.trainer.batch, tc.trainer.seq, dev.world, dev.world, load_hardware("cpu"), smallest,
               tc.trainer.precision, on_meta=on_meta)
     layout = layout_of(tc, spec.projection)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from boost_compile.train.config import ModelConfig, TrainConfig
 from boost_compile.train.validate import ModelShape, factorize_config
 
 if TYPE_CHECKING:
-    from boost_compile.meta_init import InitRecipe
+    from boost_compile.weight_sources import WeightSource
 
 log = logging.getLogger("boost_compile.train")
 
@@ -74,27 +74,57 @@ def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> Mod
 
 def defers_init(tc: TrainConfig) -> bool:
     """Whether the model is built on the meta device, each rank materialising its part
-    (``model.init=per_parameter`` on random weights; pretrained weights are loaded whole)."""
-    return tc.model.init == "per_parameter" and not (tc.model.pretrained and (tc.model.hf_path or tc.model.hf_config))
+    (``model.init=per_parameter``: random weights drawn per parameter, or pretrained weights read
+    slice by slice from their safetensors, factorized one layer at a time)."""
+    return tc.model.init == "per_parameter"
 
 
-def build_on_meta(tc: TrainConfig, shape: ModelShape) -> tuple[nn.Module, InitRecipe]:
-    """The model with every parameter on the meta device (buffers real, on the host), and the recipe
-    that gives each rank the values of what it holds (``boost_compile/meta_init.py``). ConfigError,
-    naming the parameter, for a model whose init the recipe cannot replay."""
+def build_on_meta(tc: TrainConfig, shape: ModelShape, device: torch.device | None = None) -> tuple[nn.Module, WeightSource]:
+    """The model with every parameter on the meta device (buffers real, on the host), factorized
+    there if asked, and the source of the values each rank materialises of it
+    (``boost_compile/weight_sources.py``): the recipe of its own init, or the pretrained folder's
+    safetensors. ConfigError, naming the parameter, for a model whose init the recipe cannot replay
+    or whose checkpoint lacks a parameter."""
     from boost_compile.config import ConfigError
     from boost_compile.meta_init import MetaInitError, deferred_init
 
     try:
         with deferred_init(tc.trainer.seed) as recording:
             model = _construct(tc, shape)
-        return model, recording.recipe(model)
+        if tc.model.pretrained and shape.kind == "hf":
+            source = _pretrained_source(tc, model, recording)
+        else:
+            source = recording.recipe(model)
     except MetaInitError as exc:
         raise ConfigError(f"model.init=per_parameter: {exc}") from exc
     except (RuntimeError, NotImplementedError) as exc:  # model code that computes with a meta parameter
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"model.init=per_parameter: building the model on the meta device fails ({first}); "
                           "model.init=global_rng builds the whole model on every rank instead") from exc
+    return model, factorize_model(model, tc, shape, device or torch.device("cpu"), source)
+
+
+def _pretrained_source(tc: TrainConfig, model: nn.Module, recording: Any) -> WeightSource:
+    """The pretrained folder's safetensors, slice by slice, each parameter checked against the model
+    (the model's own init for what the checkpoint lacks: refused, as a pretrained start must not
+    silently hold random weights)."""
+    from boost_compile.config import ConfigError
+    from boost_compile.weight_sources import SafetensorsFolder
+
+    try:
+        folder = SafetensorsFolder(tc.model.hf_path, prefix="hf.", base_prefix=getattr(model.hf, "base_model_prefix", ""))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model.init=per_parameter reads pretrained weights from safetensors: {exc}; "
+                          "model.init=global_rng loads the folder whole with from_pretrained") from exc
+    missing = [n for n, _ in model.named_parameters() if not folder.has(n)]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ConfigError(f"model.pretrained: {', '.join(missing[:3])}{more} not in {tc.model.hf_path}'s safetensors")
+    for name, p in model.named_parameters():
+        if folder.shape(name) != p.shape:
+            raise ConfigError(f"model.pretrained: {name} is {tuple(folder.shape(name))} in {tc.model.hf_path} "
+                              f"and {tuple(p.shape)} in the model its config.json builds")
+    return folder
 
 
 def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
@@ -111,14 +141,14 @@ def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
     return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).float())
 
 
-def materialize_part(model: nn.Module, recipe: InitRecipe, device: torch.device, what: str,
+def materialize_part(model: nn.Module, source: WeightSource, device: torch.device, what: str,
                      names: dict[str, str] | None = None) -> None:
     """:func:`boost_compile.meta_init.materialize_` of the part of the model this rank holds, logged
     with its size (``what``: the part, "the whole model", "its FSDP2 shards", ...)."""
     from boost_compile.meta_init import materialize_
 
     begin = time.perf_counter()
-    materialize_(model, recipe, device, names)
+    materialize_(model, source, device, names)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     log.info("model.init=per_parameter: built on meta, this rank materialised %s (%s parameters) in %.1fs",
              what, f"{local:,}", time.perf_counter() - begin)
@@ -127,11 +157,12 @@ def materialize_part(model: nn.Module, recipe: InitRecipe, device: torch.device,
 def build_model(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
     """The whole model on this rank (every rank the same weights), factorized if asked."""
     if defers_init(tc):
-        model, recipe = build_on_meta(tc, shape)
-        materialize_part(model, recipe, device, "the whole model")
-    else:
-        model = _build_whole(tc, shape, device)
-    return factorize_model(model, tc, shape, device)
+        model, source = build_on_meta(tc, shape, device)
+        materialize_part(model, source, device, "the whole model")
+        return model
+    model = _build_whole(tc, shape, device)
+    factorize_model(model, tc, shape, device)
+    return model
 
 
 def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
@@ -154,13 +185,16 @@ def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn
     return HFCausalLM(hf.float()).to(device)
 
 
-def factorize_model(model: nn.Module, tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn.Module:
-    """``model`` with its dense block linears made bottlenecks when ``factorize`` is on."""
+def factorize_model(model: nn.Module, tc: TrainConfig, shape: ModelShape, device: torch.device,
+                    source: WeightSource | None = None) -> WeightSource | None:
+    """``model`` with its dense block linears made bottlenecks when ``factorize`` is on; on the meta
+    device, ``source`` extended with the factors' values (returned: ``source`` itself when off)."""
     factorize = factorize_config(tc.factorize)
-    if factorize is not None:
-        from boost_compile.factorize import factorize_
+    if factorize is None:
+        return source
+    from boost_compile.factorize import factorize_
 
-        example = (torch.arange(16, device=device).view(1, 16) % shape.vocab_size,)
-        report = factorize_(model, factorize, example_inputs=example)
-        log.info("factorized %d layers: %s -> %s parameters", len(report.layers), f"{report.params_before:,}", f"{report.params_after:,}")
-    return model
+    example = (torch.arange(16, device=device).view(1, 16) % shape.vocab_size,)
+    report = factorize_(model, factorize, example_inputs=example, seed=tc.trainer.seed)
+    log.info("factorized %d layers: %s -> %s parameters", len(report.layers), f"{report.params_before:,}", f"{report.params_after:,}")
+    return report.source(source) if source is not None else None

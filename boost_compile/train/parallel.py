@@ -29,10 +29,10 @@ from boost_compile.blocks import BlockCompileError, compile_blocks, tensor_paral
 from boost_compile.config import BoostConfig, ConfigError
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import build_model, build_on_meta, defers_init, materialize_part
-from boost_compile.train.validate import ModelShape, env_world_size, factorize_config
+from boost_compile.train.validate import ModelShape, env_world_size
 
 if TYPE_CHECKING:
-    from boost_compile.meta_init import InitRecipe
+    from boost_compile.weight_sources import WeightSource
 
 log = logging.getLogger("boost_compile.train")
 
@@ -359,18 +359,22 @@ def build_model_parts(
     sharded: the parameters are then DTensors, each rank's shard.
     ``recorder``: see :func:`compile_model`.
     """
-    recipe = None
-    if dev.dp_shard > 1 and dev.tp == 1 and defers_init(tc) and factorize_config(tc.factorize) is None:
-        model, recipe = build_on_meta(tc, shape)  # FSDP2 materialises each rank's shard, once sharded
+    source = None
+    if (dev.dp_shard > 1 or dev.tp > 1) and defers_init(tc):
+        # on meta: each rank materialises its TP shards, or once sharded its FSDP2 shards of them
+        model, source = build_on_meta(tc, shape, dev.device)
     else:
         model = build_model(tc, shape, dev.device)
     if dev.tp > 1:
         if example is None:
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
         parallelize(model, tc, dev, example)
+        if source is not None and dev.dp_shard == 1:
+            materialize_part(model, source, dev.device, "its TP shards")
+            source = None
     cast_weights(model, tc.trainer.precision)
     if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled
-        return _fsdp_model_parts(model, tc, dev, before_compile, recorder, recipe)
+        return _fsdp_model_parts(model, tc, dev, before_compile, recorder, source)
     if before_compile is not None:
         before_compile(model)
     compiled = compile_model(model, tc, recorder=recorder)
@@ -383,16 +387,16 @@ def build_model_parts(
 
 
 def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist, bind: Callable[[nn.Module], None] | None,
-                      recorder: Recorder | None, recipe: InitRecipe | None = None) -> ModelParts:
+                      recorder: Recorder | None, source: WeightSource | None = None) -> ModelParts:
     """torchtitan's order: the blocks compiled one by one, then ``fully_shard`` per block and the
-    root (train/fsdp.py); a model built on meta (``recipe``) then materialises this rank's shards;
+    root (train/fsdp.py); a model built on meta (``source``) then materialises this rank's shards;
     the optimizer and a resumed checkpoint bind the sharded parameters."""
     from boost_compile.train.fsdp import shard_model
 
     compiled = compile_model(model, tc, recorder=recorder)
     shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
-    if recipe is not None:
-        materialize_part(model, recipe, dev.device, "its FSDP2 shards")
+    if source is not None:
+        materialize_part(model, source, dev.device, "its FSDP2 shards")
     if bind is not None:
         bind(model)
     return ModelParts(model=model, train_fn=compiled, eval_fn=compiled)

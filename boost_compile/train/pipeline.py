@@ -61,7 +61,7 @@ from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model, build_on_meta, defers_init, materialize_part
 from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
-from boost_compile.train.validate import ModelShape, factorize_config
+from boost_compile.train.validate import ModelShape
 
 log = logging.getLogger("boost_compile.train")
 
@@ -253,8 +253,8 @@ def build_pipeline_parts(
     par, tr = tc.parallel, tc.trainer
     # on meta (model.init=per_parameter), each rank materialises its own stages only
     recipe = None
-    if defers_init(tc) and factorize_config(tc.factorize) is None:
-        whole, recipe = build_on_meta(tc, shape)
+    if defers_init(tc):
+        whole, recipe = build_on_meta(tc, shape, dev.device)
     else:
         whole = build_model(tc, shape, dev.device)
     total = sum(p.numel() for p in whole.parameters())

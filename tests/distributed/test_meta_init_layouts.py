@@ -4,9 +4,10 @@ bitwise (torchrun on 127.0.0.1, gloo).
 Each run saves its starting weights (``checkpoint.at_start``: ``step_000000``) and
 ``assert_starts_like_one_process`` builds the same config in this process and compares every
 tensor. The tiny preset's FSDP2 2, PP2, DDP2 and TP2 runs are checked beside their parity tests
-(test_train_fsdp, test_train_pp, test_train_parallel); here: a Hugging Face model under FSDP2
-(materialised shard by shard), and, marked extended, HSDP 2x2, TP2 x FSDP2 2, and the Hugging Face
-model under PP2 and TP2. One step each, eager (``passes=none``; TP needs the boost backend): what
+(test_train_fsdp, test_train_pp, test_train_parallel); here: a pretrained Hugging Face folder,
+factorized by SVD, under FSDP2 (read and factorized shard by shard), and, marked extended, HSDP
+2x2, TP2 x FSDP2 2 (the preset, and the pretrained folder dense and factorized), and a randomly
+initialised Hugging Face model under FSDP2, PP2 and TP2. One step each, eager (``passes=none``; TP needs the boost backend): what
 is checked is the start.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import AT_START, FAST, TINY_TENSORS, assert_starts_like_one_process, cfg_of, torchrun
+from conftest import AT_START, FAST, TINY_TENSORS, assert_starts_like_one_process, cfg_of, save_hf_folder, torchrun
 
 from boost_compile.config import ConfigError
 from boost_compile.train.model import build_model, build_on_meta
@@ -34,9 +35,27 @@ def _starts_alike(nproc: int, overrides: list[str], out: Path) -> int:
     return assert_starts_like_one_process(out)
 
 
-def test_hf_model_under_fsdp2_starts_like_one_process(tmp_path):
-    assert _starts_alike(2, ["model=hf-tiny", "parallel=fsdp2"], tmp_path / "run") == HF_TINY_TENSORS
+@pytest.mark.parametrize("weights", ["pretrained-svd25", pytest.param("random", marks=pytest.mark.extended)])
+def test_hf_model_under_fsdp2_starts_like_one_process(weights, tmp_path):
+    """Pretrained: each rank reads its FSDP2 slices of the folder's safetensors and of the factors
+    of each layer's SVD (14 layers made 28 factors)."""
+    model = [*save_hf_folder(tmp_path / "hf"), "factorize=svd25"] if weights != "random" else ["model=hf-tiny"]
+    tensors = HF_TINY_TENSORS + (14 if weights != "random" else 0)
+    assert _starts_alike(2, [*model, "parallel=fsdp2"], tmp_path / "run") == tensors
     assert "materialised its FSDP2 shards" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("factorize", [("parallel.plan=megatron",), ("factorize=svd25", "parallel.plan=btp")],
+                         ids=["dense-megatron", "svd25-btp"])
+def test_pretrained_folder_under_tp2_x_fsdp2_starts_like_one_process(factorize, tmp_path):
+    """TP2 x FSDP2 2 built on meta: each rank's FSDP2 slice of its TP shard read from the folder
+    (or from its layer's SVD), no rank holding the whole model."""
+    layout = ("parallel.dp_shard=2", "parallel.tp=2", "passes=boost_aot_eager")
+    tensors = HF_TINY_TENSORS + (14 if "factorize=svd25" in factorize else 0)
+    assert _starts_alike(4, [*save_hf_folder(tmp_path / "hf"), *factorize, *layout], tmp_path / "run") == tensors
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "materialised its FSDP2 shards" in log and "verified at the first step" in log
 
 
 @pytest.mark.extended
