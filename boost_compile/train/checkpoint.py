@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from boost_compile.config import ConfigError
-from boost_compile.train.checkpoint_shards import over_fsdp_gathered, to_local, to_saved
+from boost_compile.train.checkpoint_shards import over_fsdp, to_local, to_saved
 from boost_compile.train.config import CheckpointConfig, TrainConfig
 from boost_compile.train.data import PackedTokens
 from boost_compile.train.optim import local_optimizer
@@ -267,8 +267,8 @@ class Checkpointer:
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
         model_sd, optim_sd = get_state_dict(self.model, local_optimizer(self.optimizer), options=options)
         if self.dev.tp > 1:
-            if self.dev.dp_shard > 1:  # FSDP2's slices of the TP shards: each shard whole first
-                model_sd, optim_sd = over_fsdp_gathered(model_sd, optim_sd)
+            if self.dev.dp_shard > 1:  # FSDP2's slices of the TP shards, over (dp_shard, tp)
+                model_sd, optim_sd = over_fsdp(self.model, self.dev.mesh, model_sd, optim_sd)
             model_sd, optim_sd = to_saved(self.model, self.dev.mesh["tp"], model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
         if self.dev.device.type == "cuda":

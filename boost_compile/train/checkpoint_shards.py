@@ -126,8 +126,9 @@ def to_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any
     """What :func:`to_saved` made, after DCP loaded into it, back as the plain shards
     ``parallelize_`` keeps (a model whose parameters are DTensors keeps DTensors), each the
     live shard's shape: padding zeros re-added, a fused weight gathered and cut part by part
-    again (collective on the tp group, as :func:`to_saved`); under TP x FSDP2 each shard then
-    cut again into this rank's FSDP2 slice (:func:`refit`)."""
+    again (collective on the tp group, as :func:`to_saved`); under TP x FSDP2 a slice in
+    :func:`over_tp`'s form is this rank's FSDP2 slice as it is, any other shard is cut again into
+    it (:func:`refit`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     specs = _specs(model)
 
@@ -136,6 +137,11 @@ def to_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any
         tp_shard = spec is not None and spec.dim is not None and live is not None
         if isinstance(t, torch.Tensor) and t.dim() == 0:  # an optimizer's step count: the same everywhere
             return t
+        if is_dtensor(t) and is_dtensor(live) and "tp" in (t.device_mesh.mesh_dim_names or ()):  # over_tp's form
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(t.to_local(), live.device_mesh, live.placements, run_check=False,
+                                      shape=live.shape, stride=live.stride())
         if is_dtensor(live) and not tp_shard:  # vanilla's or FSDP2's DTensor: loaded in place, or under
             return t if is_dtensor(t) else refit(t, live)  # TP x FSDP2 a whole replicated tensor to cut
         if not is_dtensor(t):
@@ -149,13 +155,39 @@ def to_local(model: nn.Module, model_sd: dict[str, Any], optim_sd: dict[str, Any
     return model_sd, map_optim_state(optim_sd, unwrap)
 
 
-def over_fsdp_gathered(model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
-    """TP x FSDP2: each TP shard whole again from its FSDP2 slices (a DTensor over the dp_shard
-    mesh), the form :func:`to_saved` takes. Collective on the dp_shard group, in the keys' order."""
-    def gather(_name: str, t: Any) -> Any:
-        return t.full_tensor() if is_dtensor(t) else t
+def over_fsdp(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
+    """TP x FSDP2: each rank's FSDP2 slice of its TP shard as DCP saves it, gathering nothing: a
+    DTensor of the whole tensor over FSDP2's mesh dims and ``tp`` (:func:`over_tp`). A padded
+    vocabulary's or a fused weight's TP shard, which no placement describes, is gathered whole from
+    its FSDP2 slices (collective on the dp_shard group, in the keys' order) for :func:`to_saved`."""
+    specs = _specs(model)
 
-    return {name: gather(name, t) for name, t in model_sd.items()}, map_optim_state(optim_sd, gather)
+    def form(name: str, t: Any) -> Any:
+        spec = specs.get(name)
+        if not is_dtensor(t) or spec is None or spec.dim is None or t.dim() == 0:
+            return t  # FSDP2's own DTensor of a parameter TP keeps whole: saved as it is
+        if spec.sections or spec.size is not None:
+            return t.full_tensor()
+        return over_tp(t, spec, mesh)
+
+    return {name: form(name, t) for name, t in model_sd.items()}, map_optim_state(optim_sd, form)
+
+
+def over_tp(t: Any, spec: ShardSpec, mesh: Any) -> Any:
+    """FSDP2's DTensor ``t`` of a TP shard (one run of the whole on ``spec.dim``) as a DTensor of
+    the whole tensor over ``mesh``'s FSDP2 dims and ``tp``: its local slice as it is. FSDP2 cuts
+    the TP shard, so a dim both cut is a ``_StridedShard`` on FSDP2's dims (TP's cut is outer)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    names = (*t.device_mesh.mesh_dim_names, "tp")
+    placements = [_StridedShard(p.dim, split_factor=spec.world) if isinstance(p, Shard) and p.dim == spec.dim else p
+                  for p in t.placements]
+    shape = list(t.shape)
+    shape[spec.dim] *= spec.world
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t.to_local(), mesh[names], [*placements, Shard(spec.dim)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
 
 
 def refit(mine: torch.Tensor, live: Any) -> Any:

@@ -191,9 +191,9 @@ def test_fsdp2_checkpoint_resumes_on_every_layout(fsdp2, references, tmp_path):
 def test_tp2_btp_by_fsdp2_matches_single_process_and_resumes(references, single, tmp_path):
     """btp over TP pairs, FSDP2 over the pairs (4 ranks): FSDP2 shards each rank's TP shard
     further (the TP spec kept on the parameters it makes, for the backend's TP passes), with
-    gradient accumulation. Step 3's checkpoint (each TP shard gathered from its FSDP2 slices,
-    saved as DCP's DTensor of the whole) resumes exactly in the same layout and in one process
-    within the parity rule."""
+    gradient accumulation. Step 3's checkpoint (each rank's FSDP2 slice of its TP shard saved as
+    it is, a DTensor of the whole over (dp_shard, tp): nothing gathered) resumes exactly in the
+    same layout and in one process within the parity rule."""
     layout = (*ONE, "parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=btp", "trainer.local_batch=1")
     run4 = torchrun(4, list(layout), tmp_path / "tpfsdp")
     assert run4["world"] == 4
