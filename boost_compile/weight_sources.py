@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -84,6 +85,53 @@ class Sources:
 # ----------------------------------------------------------------------------- a Hugging Face folder
 
 
+#: safetensors' dtype names
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+#: Bytes read from a file at once when a box is assembled row group by row group.
+READ_BYTES = 1 << 24
+
+
+class _SafetensorsFile:
+    """One safetensors file, read by ``seek`` and ``readinto``: no mapping of the file, so a rank's
+    address space grows by the rows it reads, not by the file (``safe_open`` maps it whole)."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        self.path, self.data_start, self.entries = path, 8 + length, header
+
+    def shape(self, key: str) -> torch.Size:
+        return torch.Size(self.entries[key]["shape"])
+
+    def read(self, key: str, box: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The slice ``box`` (one slice of step 1 per dim) of tensor ``key``, as ``dtype``: its rows
+        read a group at a time, each group's other dims cut to the box."""
+        entry = self.entries[key]
+        stored, shape, offset = _DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"][0]
+        if not shape:
+            box = ()
+        row_bytes = math.prod(shape[1:]) * stored.itemsize
+        first, last, _ = box[0].indices(shape[0]) if shape else (0, 1, 1)
+        group = max(1, READ_BYTES // max(1, row_bytes))
+        out = torch.empty([len(range(*s.indices(n))) for s, n in zip(box, shape, strict=True)], dtype=dtype)
+        with open(self.path, "rb", buffering=0) as f:
+            for row in range(first, last, group):
+                rows = min(group, last - row)
+                buf = bytearray(rows * row_bytes if shape else stored.itemsize)
+                f.seek(self.data_start + offset + row * row_bytes)
+                f.readinto(buf)
+                values = torch.frombuffer(buf, dtype=stored) if buf else torch.empty(0, dtype=stored)
+                if not shape:
+                    return values.view(()).to(dtype, copy=True)
+                part = values.view(rows, *shape[1:])[(slice(None), *box[1:])]
+                out[row - first:row - first + rows] = part
+        return out
+
+
 class SafetensorsFolder:
     """The tensors of a folder of safetensors files, each read slice by slice as asked.
 
@@ -94,24 +142,19 @@ class SafetensorsFolder:
     """
 
     def __init__(self, folder: str | Path, prefix: str = "", base_prefix: str = "") -> None:
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
-            files = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (self.folder / "model.safetensors").exists():
-            files = None
+            files = ["model.safetensors"]
         else:
             raise FileNotFoundError(f"{self.folder} holds neither model.safetensors nor model.safetensors.index.json")
         self.prefix, self.base_prefix = prefix, base_prefix
-        self._handles = {}
-        self._file_of: dict[str, str] = {}
-        for file in sorted(set(files.values())) if files is not None else ["model.safetensors"]:
-            handle = safe_open(str(self.folder / file), framework="pt")
-            self._handles[file] = handle
-            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
-                self._file_of[key] = file
+        self._file_of: dict[str, _SafetensorsFile] = {}
+        for name in files:
+            file = _SafetensorsFile(self.folder / name)
+            self._file_of.update(dict.fromkeys(file.entries, file))
 
     def keys(self) -> list[str]:
         return list(self._file_of)
@@ -132,21 +175,22 @@ class SafetensorsFolder:
     def has(self, name: str) -> bool:
         return self.key(name) is not None
 
-    def _slice(self, name: str):  # noqa: ANN202 - safetensors' PySafeSlice
+    def _key(self, name: str) -> str:
         key = self.key(name)
         if key is None:
             raise MissingWeightError(f"{name} is not in {self.folder}")
-        return self._handles[self._file_of[key]].get_slice(key)
+        return key
 
     def shape(self, name: str) -> torch.Size:
-        return torch.Size(self._slice(name).get_shape())
+        key = self._key(name)
+        return self._file_of[key].shape(key)
 
     def values(self, name: str, box: tuple[slice, ...] | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        part = self._slice(name)
-        shape = part.get_shape()
+        key = self._key(name)
+        shape = self._file_of[key].shape(key)
         box = tuple(box or ()) + tuple(slice(0, n) for n in shape[len(box or ()):])
-        return part[box if box else ...].to(dtype)
+        return self._file_of[key].read(key, box, dtype)
 
 
 # ----------------------------------------------------------------------------- a rank's part

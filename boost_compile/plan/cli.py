@@ -21,7 +21,7 @@ from pathlib import Path
 
 from boost_compile.costmodel.hardware import HARDWARE_FILES, load_hardware
 from boost_compile.plan.memory import PRECISIONS
-from boost_compile.plan.model import SHAPE_PRESETS, ModelSpec, factorized, from_hf_config, from_preset, preset_args
+from boost_compile.plan.model import SHAPE_PRESETS, ModelSpec, factorized, from_hf_config, from_preset, largest_block_tensor, preset_args
 from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory
 
 TERM_LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "dp_buckets": "ddp",
@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoints", nargs="+", default=list(CHECKPOINTS), choices=list(CHECKPOINTS))
     p.add_argument("--init", default="per_parameter", choices=["per_parameter", "global_rng"],
                    help="boost-train's model.init: the start priced built on meta, each rank its part (default), or "
-                        "built whole on every rank; --rank (factorize) and pretrained weights build whole either way")
+                        "built whole on every rank (--rank: factorized on meta by SVD, one dense weight at a time)")
     p.add_argument("--no-fsdp", action="store_true", help="leave out FSDP2 and HSDP layouts (parallel.dp_shard > 1)")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row, best first, as JSON")
@@ -108,7 +108,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def make_job(args: argparse.Namespace) -> Job:
     hw = load_hardware(args.hardware)
     spec, model_args = load_model(args.model, vocab_size=args.vocab_size)
+    svd_elements = 0
     if args.rank:
+        svd_elements = largest_block_tensor(spec)
         spec = factorized(spec, args.rank)
         model_args = (*model_args, "factorize.enabled=true", f"factorize.rank={args.rank}")
     try:
@@ -119,8 +121,9 @@ def make_job(args: argparse.Namespace) -> Job:
     for name in ("devices", "per_node", "batch", "seq"):
         if getattr(args, name) < 1:
             raise SystemExit(f"boost-plan: --{name.replace('_', '-')} must be positive")
-    on_meta = args.init == "per_parameter" and not args.rank
-    return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args, on_meta)
+    on_meta = args.init == "per_parameter"
+    return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args, on_meta,
+               svd_elements)
 
 
 def table(rows: Sequence[Row], job: Job, top: int) -> str:

@@ -261,17 +261,22 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
 MATERIALISE_ELEMENTS = (1 << 22, 1 << 16)
 #: the build's dtype: a model is built in fp32, then cast to the weights' dtype
 BUILD_BYTES = 4
+#: fp32 copies of a dense weight alive while its SVD is factorized (``factorize.FactorSource``):
+#: the weight, its U, S, Vh (about the weight again) and the two factors kept for the second read
+SVD_COPIES = 3
 
 
 def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int, precision: str = "fp32",
-                 stages_per_rank: int = 1, on_meta: bool = True, vocab_parallel: bool = True) -> int:
+                 stages_per_rank: int = 1, on_meta: bool = True, vocab_parallel: bool = True,
+                 svd_elements: int = 0) -> int:
     """Peak bytes per rank while boost-train builds, shards and casts the model, before the first step
     (the busiest pipeline rank's).
 
-    ``on_meta`` (``model.init=per_parameter`` without tensor parallelism or ``factorize``): the model
-    is built on the meta device and each rank computes only what it holds: its stages' tensors, and
-    under FSDP2 its slice of each, stored in the weights' dtype, plus the values computed at once
-    (:data:`MATERIALISE_ELEMENTS`).
+    ``on_meta`` (``model.init=per_parameter``, random or pretrained weights): the model is built on
+    the meta device and each rank computes only what it holds: its stages' tensors, its TP shard of
+    each, and under FSDP2 its slice of that, stored in the weights' dtype, plus the values computed
+    at once (:data:`MATERIALISE_ELEMENTS`) and, for ``factorize`` by SVD, one dense weight of
+    ``svd_elements`` and its decomposition (:data:`SVD_COPIES`).
     Otherwise every rank builds the whole model in fp32 first, and sharding or splitting it holds the
     rank's part (in the weights' dtype) beside it until the whole goes.
     """
@@ -280,12 +285,12 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
     stages = _stage_blocks(spec, pp * stages_per_rank)
     busiest = max(sum(_rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard)[0])
                   for rank in range(pp))
-    if on_meta and tp == 1:
+    if on_meta:
         largest = max(t.numel for t in tensors)
-        at_once = sum(min(n, largest) for n in MATERIALISE_ELEMENTS) * BUILD_BYTES
+        at_once = sum(min(n, largest) for n in MATERIALISE_ELEMENTS) * BUILD_BYTES + svd_elements * BUILD_BYTES * SVD_COPIES
         if dp_shard > 1:  # FSDP2 shards on meta (of the model or its stages): each rank's slices, cast
             return busiest * prec.weights + at_once
-        # one process, DDP, a pipeline's stages: materialised whole in fp32 (then cast)
+        # one process, DDP, TP shards, a pipeline's stages: materialised in fp32 (then cast)
         return busiest * BUILD_BYTES + at_once
     whole = sum(t.numel for t in tensors)
     return whole * BUILD_BYTES + busiest * prec.weights

@@ -212,6 +212,11 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
                      tie_embeddings=bool(config.get("tie_word_embeddings", False)))
 
 
+def largest_block_tensor(spec: ModelSpec) -> int:
+    """Elements of the largest tensor inside the blocks (a dense projection, before ``factorized``)."""
+    return max(t.numel for t in spec.tensors() if t.block >= 0)
+
+
 def factorized(spec: ModelSpec, rank: int, projection: str = "lowrank") -> ModelSpec:
     """``spec`` with every block projection factorized at ``rank`` (boost-train's ``factorize=``)."""
     return replace(spec, projection=projection, rank_attn=rank, rank_mlp=rank)

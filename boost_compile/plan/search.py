@@ -104,8 +104,10 @@ class Job:
     #: the boost-train model override that names the model (model=..., model.hf_path=...)
     model_args: tuple[str, ...] = ()
     #: the model is built on the meta device, each rank materialising its part (boost-train's
-    #: ``model.init=per_parameter`` on random weights); False: built whole on every rank first
+    #: ``model.init=per_parameter``); False: built whole on every rank first
     on_meta: bool = True
+    #: elements of the largest dense weight a rank reads whole to factorize it by SVD (0: none)
+    svd_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,7 @@ def price(job: Job, layout: Layout) -> Row:
                  stages_per_rank=lo.stages_per_rank, accumulating=a > 1, dp_shard=lo.dp_shard,
                  reshard_after_forward=lo.reshard_after_forward)
     start = start_memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp_shard=lo.dp_shard, precision=job.precision,
-                         stages_per_rank=lo.stages_per_rank, on_meta=job.on_meta)
+                         stages_per_rank=lo.stages_per_rank, on_meta=job.on_meta, svd_elements=job.svd_elements)
     step_s = a * t.step_s - (a - 1) * t.once_s
     return Row(lo, step_s, job.batch * job.seq / step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
                mem.peak_at, max(mem.peak, start) <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,

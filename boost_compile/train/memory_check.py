@@ -76,9 +76,15 @@ def check_memory(tc: TrainConfig, dev: Dist) -> None:
     except ConfigError as exc:
         log.info("parallel.check_memory: not checked (%s)", exc)
         return
-    on_meta = defers_init(tc)
+    svd = 0
+    if tc.factorize.enabled and tc.factorize.init == "svd":  # one dense weight read whole for its SVD
+        from dataclasses import replace
+
+        from boost_compile.plan.model import largest_block_tensor
+
+        svd = largest_block_tensor(replace(spec, projection="dense"))
     job = Job(spec, tc.trainer.batch, tc.trainer.seq, dev.world, dev.world, load_hardware("cpu"), smallest,
-              tc.trainer.precision, on_meta=on_meta)
+              tc.trainer.precision, on_meta=defers_init(tc), svd_elements=svd)
     layout = layout_of(tc, spec.projection)
     row = price(job, layout)
     need = max(row.memory_gib, row.start_gib) * GIB * (1 + HEADROOM)

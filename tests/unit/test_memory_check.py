@@ -36,9 +36,17 @@ def test_built_on_meta_a_rank_holds_its_slices_built_whole_the_model():
     tiny = from_preset("tiny")
     largest = max(t.numel for t in tiny.tensors())
     assert start_memory(tiny, "btp", tp=1, pp=1, dp_shard=1) == (tiny.num_params() + 2 * largest) * BUILD_BYTES
-    # a TP rank materialises the whole model before parallelize_ shards it; so does global_rng
-    assert start_memory(spec, "megatron", tp=2, pp=1, dp_shard=2) > weights
+    # a TP x FSDP2 rank its slices of its TP shards; built whole (global_rng), the whole model first
+    assert start_memory(spec, "megatron", tp=2, pp=1, dp_shard=2) == pytest.approx(weights / 4 + at_once, rel=0.06)
     assert start_memory(spec, "megatron", tp=1, pp=1, dp_shard=8, on_meta=False) > weights
+    # factorized by SVD on meta: one dense weight and its decomposition beside the rank's share
+    from boost_compile.plan.memory import SVD_COPIES
+    from boost_compile.plan.model import factorized, largest_block_tensor
+
+    low = factorized(spec, 256)
+    dense = largest_block_tensor(spec)
+    assert start_memory(low, "btp", tp=2, pp=1, dp_shard=2, svd_elements=dense) - \
+        start_memory(low, "btp", tp=2, pp=1, dp_shard=2) == dense * BUILD_BYTES * SVD_COPIES
     # a pipeline rank its stage (about half of the blocks)
     assert start_memory(spec, "megatron", tp=1, pp=2, dp_shard=1) < 0.6 * weights
 
