@@ -3,10 +3,10 @@
 Each process gets RLIMIT_AS = an assumed baseline (Python, torch, the process group: ``--baseline-mib``)
 + ``--budget-mib``, as if each rank were a device of that size. For each layout the planner
 (``boost_compile.plan``: the start and the step priced, what ``parallel.check_memory`` asks) names
-the deepest Llama of ``--preset``'s widths that fits; boost-train then runs that depth and one
-layer more under the cap, one AdamW step each (``model.init=per_parameter``: built on meta, each
-rank its part), each row printed as it lands: the deeper one should be refused in one line before
-the build, the planner's one should start and step.
+the deepest Llama of ``--preset``'s widths that fits; boost-train then runs that depth under the
+cap, one AdamW step (``model.init=per_parameter``: built on meta, each rank its part), and one
+layer deeper each time it starts, until a depth is refused in one line before the build (or one
+layer shallower each time the planner's depth is refused); each row printed as it lands.
 
     python benchmarks/largest_start.py [--budget-mib 768] [--layouts one fsdp8 tp2 ...]
 """
@@ -32,7 +32,6 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2", "parallel.plan=megatron", "passes=boost_aot_eager"]),
     "tp2xfsdp4": (8, ["parallel.tp=2", "parallel.dp_shard=4", "parallel.plan=megatron", "passes=boost_aot_eager"]),
     "pp2": (2, ["parallel.pp=2", "parallel.microbatches=2"]),
-    "pp4": (4, ["parallel.pp=4", "parallel.microbatches=4"]),
 }
 
 
@@ -73,6 +72,8 @@ def main() -> None:
     p.add_argument("--baseline-mib", type=float, default=1024, help="the address space a process maps before the build")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = p.parse_args()
+    from dataclasses import replace
+
     from boost_compile.plan.model import from_preset
 
     batch, seq = 8, 64
@@ -89,20 +90,27 @@ def main() -> None:
         for name in args.layouts:
             nproc, layout = LAYOUTS[name]
             layers = planned_layers(args.preset, args.vocab, layout, nproc, args.budget_mib * MIB, batch, seq)
-            for depth in (layers + 1, layers):
-                from dataclasses import replace
-
+            depth, started, tried = max(1, layers), False, set()
+            while depth not in tried and depth >= 1:  # up from the planner's depth until refused, or down
+                tried.add(depth)
                 params = replace(base, n_layers=depth).num_params()
                 s, line = train(nproc, [*common, *layout, f"+model.overrides.n_layers={depth}"],
                                 Path(folder) / f"{name}-{depth}", cap)
                 if s is None:
-                    result, grew = ("refused: " + line.split("error: ")[-1][:160]) if "does not fit" in line else \
-                        f"failed: {line[:200]}", ""
+                    refused = "does not fit" in line
+                    result, grew = ("refused: " + line.split("error: ")[-1][:160]) if refused else f"failed: {line[:200]}", ""
                 else:
                     st = s["start"]
                     result, grew = f"started, loss {s['losses'][0]:.4f}", f"{st['vm_peak_mib'] - st['baseline_vm_mib']:,.0f}"
-                print(f"| {name} | {nproc} | {depth} | {params / 1e6:,.1f}M | {params * 4 / MIB:,.0f} | {result} | {grew} |",
-                      flush=True)
+                print(f"| {name} | {nproc} | {depth} {'(planned)' if depth == layers else ''} | {params / 1e6:,.1f}M | "
+                      f"{params * 4 / MIB:,.0f} | {result} | {grew} |", flush=True)
+                if s is not None:
+                    started = True
+                    depth += 1
+                elif started or not refused:
+                    break
+                else:
+                    depth -= 1
 
 
 if __name__ == "__main__":

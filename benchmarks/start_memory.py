@@ -54,9 +54,10 @@ def train(nproc: int, args: list[str], out: Path, cap_mib: float | None) -> tupl
     proc = subprocess.run([*launch, *args, f"hydra.run.dir={out}"], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **ENV}, preexec_fn=limit, timeout=1800)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error" in line.lower() or "done:" in line]
+    refused = [line for line in lines if "boost-train: error" in line]  # before torchrun's own last words
     summary = out / "summary.json"
     return (json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else None,
-            (lines[-1] if lines else f"exit {proc.returncode}")[:400])
+            (refused or lines or [f"exit {proc.returncode}"])[-1 if not refused else 0][:400])
 
 
 def main() -> None:

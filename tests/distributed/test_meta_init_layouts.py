@@ -46,6 +46,13 @@ def test_hf_model_under_fsdp2_starts_like_one_process(weights, tmp_path):
 
 
 @pytest.mark.extended
+def test_pretrained_folder_under_pp2_starts_like_one_process(tmp_path):
+    """Each pipeline rank reads and factorizes only its stage's layers."""
+    overrides = [*save_hf_folder(tmp_path / "hf"), "factorize=svd25", "parallel.pp=2", "parallel.microbatches=2"]
+    assert _starts_alike(2, overrides, tmp_path / "run") == HF_TINY_TENSORS + 14
+
+
+@pytest.mark.extended
 @pytest.mark.parametrize("factorize", [("parallel.plan=megatron",), ("factorize=svd25", "parallel.plan=btp")],
                          ids=["dense-megatron", "svd25-btp"])
 def test_pretrained_folder_under_tp2_x_fsdp2_starts_like_one_process(factorize, tmp_path):
