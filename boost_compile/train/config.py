@@ -82,12 +82,14 @@ class ModelConfig:
     pretrained: bool = False
     """Load the weights of ``hf_path`` (else only its config)."""
     init: str = "per_parameter"
-    """How a randomly initialised model gets its first weights. ``per_parameter``: built on the
-    meta device, each parameter's values a function of ``trainer.seed`` and its name, each rank
-    computing only the slice it holds (FSDP2's shard, its pipeline stages): every layout starts
-    from bitwise the same weights, and no rank ever holds the whole model where the layout shards
-    it (``boost_compile/meta_init.py``). ``global_rng``: built whole on every rank by the model's
-    own init from torch's global RNG seeded with ``trainer.seed``, as plain PyTorch would."""
+    """How the model gets its first weights. ``per_parameter``: built on the meta device, each
+    rank computing only the slice it holds (its FSDP2 shard, TP shard, pipeline stages): random
+    weights are a function of ``trainer.seed`` and each parameter's name, pretrained ones are read
+    slice by slice from ``hf_path``'s safetensors, and ``factorize`` by SVD runs one dense weight at
+    a time. Every layout starts from bitwise the same weights, and no rank ever holds the whole
+    model where the layout shards it (``boost_compile/meta_init.py``, ``weight_sources.py``).
+    ``global_rng``: built whole on every rank by the model's own init from torch's global RNG
+    seeded with ``trainer.seed`` (pretrained: ``from_pretrained``), as plain PyTorch would."""
 
 
 @dataclass
