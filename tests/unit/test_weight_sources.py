@@ -25,13 +25,23 @@ def _built(overrides: list[str], init: str) -> dict[str, torch.Tensor]:
     return dict(build_model(tc, shape, torch.device("cpu")).named_parameters(remove_duplicate=False))
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("factorize", ["none", "svd25"])
-def test_a_pretrained_folder_loads_as_from_pretrained_does(tie, factorize, tmp_path):
+@pytest.mark.parametrize(("factorize", "tie"), [
+    ("svd25", True), ("none", False),
+    *(pytest.param(f, t, marks=pytest.mark.extended) for f, t in (("svd25", False), ("none", True))),
+], ids=["svd25-tied", "none-untied", "svd25-untied", "none-tied"])
+def test_a_pretrained_folder_loads_as_from_pretrained_does(factorize, tie, tmp_path, monkeypatch):
     """Sharded bf16 safetensors, read slice by slice into fp32, factorized by SVD one layer at a
-    time on meta: bitwise the whole load's weights, a tied head still the embedding."""
+    time on meta (each layer's SVD made once, for both its factors): bitwise the whole load's
+    weights, a tied head still the embedding."""
+    import boost_compile.factorize as fz
+
     overrides = [*save_hf_folder(tmp_path / "hf", tie), f"factorize={factorize}"]
-    sliced, whole = _built(overrides, "per_parameter"), _built(overrides, "global_rng")
+    calls = []
+    real = fz.svd_factors
+    monkeypatch.setattr(fz, "svd_factors", lambda w, r: calls.append(tuple(w.shape)) or real(w, r))
+    sliced = _built(overrides, "per_parameter")
+    assert len(calls) == (14 if factorize == "svd25" else 0)  # 2 blocks of 7 projections, one SVD each
+    whole = _built(overrides, "global_rng")
     assert sorted(sliced) == sorted(whole)
     assert [n for n in sliced if not torch.equal(sliced[n], whole[n])] == []
     assert sum(".down." in n for n in sliced) == (14 if factorize == "svd25" else 0)
@@ -91,19 +101,6 @@ def test_a_ranks_part_is_shard_tensor_of_the_whole(spec, fsdp):
             expected = expected[fsdp]
         got = slice_values(recipe, "w", narrowed(tuple(index), fsdp), expected.shape)
         assert torch.equal(got, expected), (spec, rank, fsdp)
-
-
-def test_svd_factors_are_computed_once_per_layer(monkeypatch, tmp_path):
-    """Peak one layer's dense weight: its SVD made when its first factor is asked, kept for the
-    second, dropped for the next layer."""
-    import boost_compile.factorize as fz
-
-    calls = []
-    real = fz.svd_factors
-    monkeypatch.setattr(fz, "svd_factors", lambda w, r: calls.append(tuple(w.shape)) or real(w, r))
-    tc, shape = validate(cfg_of(*FAST, *save_hf_folder(tmp_path / "hf"), "factorize=svd25"))
-    build_model(tc, shape, torch.device("cpu"))
-    assert len(calls) == 14  # 2 blocks of 7 projections
 
 
 def test_random_factors_are_drawn_per_parameter():
