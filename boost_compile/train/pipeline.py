@@ -270,8 +270,8 @@ def build_pipeline_parts(
         raise ConfigError(f"parallel.pp={dev.pp}: {exc}") from exc
     # a stage's parameters are copies: each named by its original's name in the whole model
     renames = [_original_names(stage, whole, memo) for stage, memo in zip(stages, memos, strict=True)]
-    shard_first = dev.dp_shard > 1 and dev.tp == 1  # FSDP2 without TP: each rank materialises its slices
-    if recipe is not None and not shard_first:
+    # each rank materialises its stages as it will hold them: whole, its TP shards, or its FSDP2 slices
+    if recipe is not None and dev.dp_shard == 1 and dev.tp == 1:
         for i, stage, names in zip(indices, stages, renames, strict=True):
             materialize_part(stage, recipe, dev.device, f"stage {i}", names)
     del whole, target, memos
@@ -280,6 +280,9 @@ def build_pipeline_parts(
     micro_batch = local_batch // n_mb
     if dev.tp > 1:
         _parallelize_stages(stages, indices, tc, dev, micro_batch)
+        if recipe is not None and dev.dp_shard == 1:
+            for i, stage, names in zip(indices, stages, renames, strict=True):
+                materialize_part(stage, recipe, dev.device, f"stage {i}'s TP shards", names)
     for stage in stages:
         cast_weights(stage, tr.precision)
     def bind() -> StageParameters:
@@ -293,7 +296,7 @@ def build_pipeline_parts(
     compiled = [compile_model(stage, tc, dynamic=False, recorder=recorder) for stage in stages]
     if fsdp:
         _shard_stages(compiled, indices, tc, dev)
-        if recipe is not None and shard_first:
+        if recipe is not None:
             for i, stage, names in zip(indices, stages, renames, strict=True):
                 materialize_part(stage, recipe, dev.device, f"stage {i}'s FSDP2 shards", names)
         holder = bind()

@@ -6,7 +6,8 @@ Each run saves its starting weights (``checkpoint.at_start``: ``step_000000``) a
 tensor. The tiny preset's FSDP2 2, PP2, DDP2 and TP2 runs are checked beside their parity tests
 (test_train_fsdp, test_train_pp, test_train_parallel); here: a pretrained Hugging Face folder,
 factorized by SVD, under FSDP2 (read and factorized shard by shard), and, marked extended, HSDP
-2x2, TP2 x FSDP2 2 (the preset, and the pretrained folder dense and factorized), and a randomly
+2x2, TP2 x FSDP2 2 (the preset, and the pretrained folder dense and factorized), PP2 x TP2 (each
+rank its TP shards of its stage, captured and sharded on meta), and a randomly
 initialised Hugging Face model under FSDP2, PP2 and TP2. One step each, eager (``passes=none``; TP needs the boost backend): what
 is checked is the start.
 """
@@ -69,7 +70,8 @@ def test_pretrained_folder_under_tp2_x_fsdp2_starts_like_one_process(factorize, 
 @pytest.mark.parametrize("layout", [
     ("model=tiny", "parallel=hsdp2x2"),
     ("model=tiny-dense", "parallel.dp_shard=2", "parallel.tp=2", "parallel.plan=megatron", "passes=boost_aot_eager"),
-], ids=["hsdp2x2", "tp2xfsdp2"])
+    ("model=tiny", "parallel.pp=2", "parallel.tp=2", "parallel.microbatches=2", "passes=boost_aot_eager"),
+], ids=["hsdp2x2", "tp2xfsdp2", "pp2xtp2"])
 def test_four_process_layouts_start_like_one_process(layout, tmp_path):
     tensors = TINY_TENSORS if "model=tiny" in layout else 1 + 2 * (2 + 7) + 2
     assert _starts_alike(4, list(layout), tmp_path / "run") == tensors

@@ -130,8 +130,13 @@ PLANTED = [{"name": "planted-drop-all-reduce", "model": "tiny:4", "plan": "btp",
 
 
 BLOCKS = [{"name": name, "unit": "block", **sc} for name, (sc, _graphs) in BLOCK_SCENARIOS.items()]
+#: SCENARIOS that are products of claims make test checks one by one (plan auto, vanilla and btp on a
+#: second bottleneck model, overlap under Inductor, LaX with checkpointing, a second checkpoint mode,
+#: the Hugging Face loss with a padded vocabulary)
+PRODUCTS = {"lowrank-auto", "lowrank-vanilla", "cola-btp-overlap-inductor", "lax-btp-ckpt-lowrank",
+            "cola-btp-ckpt-full", "lowrank-btp", "hf-factorized-btp-vocab255"}
 #: the scenarios only tests marked extended read (make test-extended): the style matrix, per block, deep
-EXTENDED = {s["name"] for s in STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS}
+EXTENDED = {s["name"] for s in STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS} | PRODUCTS
 
 
 def params(names):
@@ -145,9 +150,9 @@ def results(request, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tp")
     store, out = str(folder / "store"), str(folder / "results.json")
-    scenarios = SCENARIOS + VOCAB_LOGITS + PLANTED
+    scenarios = [s for s in SCENARIOS if s.get("name") not in PRODUCTS] + VOCAB_LOGITS + PLANTED
     if not extended_deselected(request.config):
-        scenarios += STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS
+        scenarios += [s for s in SCENARIOS if s.get("name") in PRODUCTS] + STYLE_SCENARIOS + BLOCKS + DEEP_SCENARIOS
     mp.spawn(worker, args=(2, store, scenarios, out), nprocs=2, join=True)
     with open(out) as f:
         return json.load(f)
@@ -159,7 +164,7 @@ def ok(results, name):
     return r
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS if not s.get("bad_inputs")])
+@pytest.mark.parametrize("name", params([s["name"] for s in SCENARIOS if not s.get("bad_inputs")]))
 def test_matches_single_process(results, name):
     r = ok(results, name)
     assert r["missing_grads"] == []
@@ -334,7 +339,7 @@ def test_auto_picks_the_plan(results):
     assert [c["kind"] for c in fwd] == [c["kind"] for c in ok(results, "dense-megatron")["collectives"]["forward"]]
 
 
-@pytest.mark.parametrize("mode", ["lowrank", "full"])
+@pytest.mark.parametrize("mode", ["lowrank", pytest.param("full", marks=pytest.mark.extended)])
 def test_checkpointing_repeats_no_collective(results, mode):
     # recompute stops before every all-reduce: backward issues exactly the
     # collectives it issues without checkpointing
@@ -361,7 +366,7 @@ def head_and_loss(collectives):
     return [(c["kind"], c["shape"], c["bytes"]) for c in collectives if c["shape"] in ([T], [T, 2])]
 
 
-@pytest.mark.parametrize("name", ["cola-btp", "lowrank-btp"])
+@pytest.mark.parametrize("name", params(["cola-btp", "lowrank-btp"]))
 def test_btp_bytes_per_layer(results, name):
     r = ok(results, name)
     cfg = r["config"]
@@ -449,7 +454,7 @@ def test_replicated_head_on_request(results):
     assert head_and_loss(r["collectives"]["forward"]) == [] and head_and_loss(r["collectives"]["backward"]) == []
 
 
-@pytest.mark.parametrize("name", ["cola-btp-overlap", "cola-btp-overlap-inductor"])
+@pytest.mark.parametrize("name", params(["cola-btp-overlap", "cola-btp-overlap-inductor"]))
 def test_overlap_moves_waits_not_payloads(results, name):
     # exact (test_matches_single_process), the same collectives in the same order, and in
     # backward work (the weight-gradient GEMMs) now runs between collectives and their waits
@@ -522,7 +527,7 @@ def test_lax_sends_what_cola_sends(results):
     assert payloads(ok(results, "lax-btp-ckpt-lowrank")["collectives"]) == payloads(ref)
 
 
-@pytest.mark.parametrize("name", ["cola-vanilla", "lowrank-vanilla"])
+@pytest.mark.parametrize("name", params(["cola-vanilla", "lowrank-vanilla"]))
 def test_vanilla_bytes_per_layer(results, name):
     r = ok(results, name)
     d, d_ff, n = r["config"]["dim"], r["config"]["ffn_dim"], r["config"]["n_layers"]
@@ -585,8 +590,8 @@ def rank_program_verified(line: str) -> bool:
     return line.startswith("tp_localize + ") and " + tp_collectives: verified (" in line
 
 
-@pytest.mark.parametrize("name", ["cola-btp", "dense-megatron", "lax-btp", "cola-btp-vocab255", "cola-btp-inductor",
-                                  "cola-btp-ckpt-lowrank", "hf-factorized-btp-vocab255", "cola-btp-overlap"])
+@pytest.mark.parametrize("name", params(["cola-btp", "dense-megatron", "lax-btp", "cola-btp-vocab255", "cola-btp-inductor",
+                                         "cola-btp-ckpt-lowrank", "hf-factorized-btp-vocab255", "cola-btp-overlap"]))
 def test_verify_checks_the_rank_program(results, name):
     """Each rank's program is run by both ranks against the unsharded model (the shards gathered,
     the markers read as identities) and judged by the parity rule on this rank's slices: after the
