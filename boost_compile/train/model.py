@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -91,23 +91,20 @@ def build_on_meta(tc: TrainConfig, shape: ModelShape, device: torch.device | Non
     try:
         with deferred_init(tc.trainer.seed) as recording:
             model = _construct(tc, shape)
-        if tc.model.pretrained and shape.kind == "hf":
-            source = _pretrained_source(tc, model, recording)
-        else:
-            source = recording.recipe(model)
+        source = _pretrained_source(tc, model) if tc.model.pretrained and shape.kind == "hf" else recording.recipe(model)
+        source = factorize_model(model, tc, shape, device or torch.device("cpu"), source)
     except MetaInitError as exc:
         raise ConfigError(f"model.init=per_parameter: {exc}") from exc
     except (RuntimeError, NotImplementedError) as exc:  # model code that computes with a meta parameter
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"model.init=per_parameter: building the model on the meta device fails ({first}); "
                           "model.init=global_rng builds the whole model on every rank instead") from exc
-    return model, factorize_model(model, tc, shape, device or torch.device("cpu"), source)
+    return model, source
 
 
-def _pretrained_source(tc: TrainConfig, model: nn.Module, recording: Any) -> WeightSource:
-    """The pretrained folder's safetensors, slice by slice, each parameter checked against the model
-    (the model's own init for what the checkpoint lacks: refused, as a pretrained start must not
-    silently hold random weights)."""
+def _pretrained_source(tc: TrainConfig, model: nn.Module) -> WeightSource:
+    """The pretrained folder's safetensors, slice by slice, each parameter checked against the model:
+    one the folder lacks is refused, as a pretrained start must not silently hold random weights."""
     from boost_compile.config import ConfigError
     from boost_compile.weight_sources import SafetensorsFolder
 
