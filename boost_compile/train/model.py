@@ -75,8 +75,19 @@ def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> Mod
 def defers_init(tc: TrainConfig) -> bool:
     """Whether the model is built on the meta device, each rank materialising its part
     (``model.init=per_parameter``: random weights drawn per parameter, or pretrained weights read
-    slice by slice from their safetensors, factorized one layer at a time)."""
-    return tc.model.init == "per_parameter"
+    slice by slice from their safetensors, factorized one layer at a time). A pretrained folder
+    without safetensors (``pytorch_model.bin``) is loaded whole instead (logged at the build)."""
+    if tc.model.init != "per_parameter":
+        return False
+    return not (tc.model.pretrained and tc.model.hf_path and not has_safetensors(tc.model.hf_path))
+
+
+def has_safetensors(folder: str) -> bool:
+    """Whether ``folder`` holds ``model.safetensors`` or a ``model.safetensors.index.json``."""
+    from pathlib import Path
+
+    path = Path(folder).expanduser()
+    return (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists()
 
 
 def build_on_meta(tc: TrainConfig, shape: ModelShape, device: torch.device | None = None) -> tuple[nn.Module, WeightSource]:
@@ -174,6 +185,9 @@ def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn
     config = shape.hf_config
     config.use_cache = False
     if tc.model.pretrained:
+        if tc.model.init == "per_parameter":
+            log.info("model.init=per_parameter: %s holds no safetensors; every rank loads it whole with "
+                     "from_pretrained", tc.model.hf_path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             tc.model.hf_path, config=config, local_files_only=True
         )

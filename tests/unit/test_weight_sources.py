@@ -67,6 +67,25 @@ def test_a_folder_without_a_parameter_is_refused_by_name(tmp_path):
         build_on_meta(tc, shape)
 
 
+def test_a_folder_without_safetensors_is_loaded_whole(tmp_path, caplog):
+    """pytorch_model.bin cannot be read by slice: the whole from_pretrained load, said in the log."""
+    import logging
+
+    overrides = save_hf_folder(tmp_path / "st")
+    tc, shape = validate(cfg_of(*FAST, *overrides))
+    reference = dict(build_model(tc, shape, torch.device("cpu")).named_parameters())
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "st")
+    model.config.save_pretrained(tmp_path / "bin")
+    torch.save(model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    tc, shape = validate(cfg_of(*FAST, *overrides, f"model.hf_path={tmp_path / 'bin'}"))
+    with caplog.at_level(logging.INFO, logger="boost_compile.train"):
+        loaded = dict(build_model(tc, shape, torch.device("cpu")).named_parameters())
+    assert "holds no safetensors; every rank loads it whole" in caplog.text
+    assert all(torch.equal(loaded[n], reference[n]) for n in reference)
+
+
 def test_a_box_reads_that_part_of_the_tensor(tmp_path):
     save_hf_folder(tmp_path / "hf")
     folder = SafetensorsFolder(tmp_path / "hf", prefix="hf.", base_prefix="model")
