@@ -21,21 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-MIB = 2**20
-ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from start_memory import ENV, MIB, ROOT, _port  # noqa: E402
 
 
 def save_folder(folder: Path, layers: int, hidden: int, vocab: int) -> tuple[int, dict[str, int]]:

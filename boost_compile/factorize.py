@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from boost_compile.analysis import capture_views
 from boost_compile.config import FactorizeConfig
-from boost_compile.meta_init import InitRecipe, buffers_on_meta, canonical_name, deferred_init, is_on_meta
+from boost_compile.meta_init import InitRecipe, buffers_on_meta, canonical_name, deferred_init, is_on_meta, meta_twins
 from boost_compile.models.lowrank import LowRankLinear, break_even_rank, cola_std
 from boost_compile.weight_sources import Sources, WeightSource
 
@@ -233,8 +233,7 @@ def factorize_(
         example = example_inputs or default_example_inputs(model)
         if on_meta:  # captured on meta: buffers and inputs there too
             with buffers_on_meta(model):
-                meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example]
-                chosen = block_linear_names(model, meta)
+                chosen = block_linear_names(model, meta_twins(example))
         else:
             chosen = block_linear_names(model, example)
         selected = [(n, m) for n, m in linears if n in chosen]

@@ -552,6 +552,11 @@ def buffers_on_meta(model: nn.Module) -> Iterator[None]:
             module._buffers[name] = b
 
 
+def meta_twins(inputs: Any) -> tuple[Any, ...]:
+    """``inputs`` with each tensor's meta twin (same shape and dtype), for a capture on meta."""
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
 def is_on_meta(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is on the meta device (not materialised yet)."""
     return any(p.is_meta for p in model.parameters())

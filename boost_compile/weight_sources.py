@@ -156,9 +156,6 @@ class SafetensorsFolder:
             file = _SafetensorsFile(self.folder / name)
             self._file_of.update(dict.fromkeys(file.entries, file))
 
-    def keys(self) -> list[str]:
-        return list(self._file_of)
-
     def key(self, name: str) -> str | None:
         """The checkpoint's key for the model's parameter ``name`` (None: not in the checkpoint)."""
         name = canonical_name(name)

@@ -72,7 +72,7 @@ from boost_compile.distributed.shard import (
 from boost_compile.distributed.tp_blocks import block_layout
 from boost_compile.distributed.tp_roles import Roles, analyse, gemm_dim, repeat_roles
 from boost_compile.distributed.vanilla import apply_vanilla
-from boost_compile.meta_init import buffers_on_meta, is_on_meta
+from boost_compile.meta_init import buffers_on_meta, is_on_meta, meta_twins
 
 log = logging.getLogger("boost_compile")
 
@@ -209,7 +209,7 @@ def parallelize_(
     on_meta = is_on_meta(model)
     if on_meta:  # built on meta (model.init=per_parameter): captured there, each rank materialises its shards after
         with buffers_on_meta(model):
-            roles = _analyse(model, [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs])
+            roles = _analyse(model, meta_twins(example_inputs))
     else:
         roles = _analyse(model, example_inputs)
     if plan == "auto":
@@ -308,8 +308,7 @@ def parallelize_(
     if stream_io or shard_logits:  # a stage's markers change its program: capture the sharded stage
         if on_meta:  # captured on meta, checked node by node; verified at the first step (no values yet)
             with buffers_on_meta(model):
-                meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-                report.check = check_local_program(model, meta_inputs, verify=False)
+                report.check = check_local_program(model, meta_twins(example_inputs), verify=False)
         else:
             report.check = check_local_program(model, example_inputs, verify)
     else:
