@@ -459,21 +459,26 @@ class Llama(nn.Module):
 
         out = Path(save_directory)
         out.mkdir(parents=True, exist_ok=True)
+        (out / CONFIG_FILE).write_text(json.dumps(self.pretrained_config(), indent=2) + "\n")
+        save_model(self, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+        return out
+
+    def pretrained_config(self) -> dict[str, Any]:
+        """What :meth:`save_pretrained` writes as ``config.json`` (the model may be on meta)."""
         dtype = next(self.parameters()).dtype
         config = {"model_type": MODEL_TYPE, **dataclasses.asdict(self.config), "dtype": str(dtype).removeprefix("torch.")}
         layers = lowrank_layout(self)
         if layers and self.config.projection == "dense":
             config["lowrank_layers"] = layers
-        (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_model(self, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        return out
+        return config
 
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, *, device: torch.device | str | None = None
     ) -> Llama:
-        """The model :meth:`save_pretrained` wrote (same modules, same dtype, same bits)."""
-        from safetensors.torch import load_model
+        """The model :meth:`save_pretrained` or ``boost-export`` wrote (same modules, same dtype, same
+        bits; one safetensors file or shards with their index)."""
+        from boost_compile.safetensors_writer import load_folder_into
 
         folder = Path(path)
         config = json.loads((folder / CONFIG_FILE).read_text())
@@ -493,7 +498,7 @@ class Llama(nn.Module):
             model.output.weight = model.tok_embeddings.weight
         model.reset_rope()
         model.to(dtype)  # as boost-train's bf16-true casts (the RoPE buffers too)
-        load_model(model, str(folder / WEIGHTS_FILE), strict=True)
+        load_folder_into(model, folder)
         return model
 
 

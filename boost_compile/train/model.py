@@ -101,7 +101,7 @@ def build_on_meta(tc: TrainConfig, shape: ModelShape, device: torch.device | Non
 
     try:
         with deferred_init(tc.trainer.seed) as recording:
-            model = _construct(tc, shape)
+            model = construct(tc, shape)
         source = _pretrained_source(tc, model) if tc.model.pretrained and shape.kind == "hf" else recording.recipe(model)
         source = factorize_model(model, tc, shape, device or torch.device("cpu"), source)
     except MetaInitError as exc:
@@ -135,7 +135,7 @@ def _pretrained_source(tc: TrainConfig, model: nn.Module) -> WeightSource:
     return folder
 
 
-def _construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
+def construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
     """The model from its config, its weights initialised by its own code (on the host, or on meta
     under :func:`build_on_meta`)."""
     if shape.kind == "preset":

@@ -149,3 +149,40 @@ def test_errors_name_the_fix(tmp_path, capsys):
     main([str(step), str(tmp_path / "out"), "--config", str(ckpt / ".hydra" / "config.yaml")])
     main([str(ckpt), str(tmp_path / "out2")])  # the run folder finds checkpoint.dir
     assert_same_state(Llama.from_pretrained(tmp_path / "out"), Llama.from_pretrained(tmp_path / "out2"))
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("model=tiny", "+model.overrides.tie_embeddings=true"),
+     ("model=hf-tiny", "model.hf_config.model_type=qwen3_moe", "+model.hf_config.num_experts=4",
+      "+model.hf_config.num_experts_per_tok=2", "+model.hf_config.moe_intermediate_size=32",
+      "model.hf_config.tie_word_embeddings=true")],
+    ids=["reference-tied", "hf-moe-tied"],
+)
+def test_export_streams_one_tensor_at_a_time_into_shards(tmp_path, monkeypatch, overrides):
+    """With a read group of 0 bytes and shards of 64 KiB, every DCP read asks for one tensor, the
+    folder is sharded with its index, a tied weight is written once, and the loaders read the
+    shards back bitwise (transformers' ``from_pretrained`` too, fused experts included)."""
+    import torch.distributed.checkpoint as dcp
+
+    if "model=hf-tiny" in overrides:
+        transformers = pytest.importorskip("transformers")
+    out = train(tmp_path / "run", *overrides)
+    trained, _ = load_trained(out)
+    asked: list[int] = []
+    real_load = dcp.load
+    monkeypatch.setattr(dcp, "load", lambda state, **kw: (asked.append(len(state["model"])), real_load(state, **kw))[1])
+    info = export(out, tmp_path / "out", max_shard_bytes=1 << 16, group_bytes=0)
+    distinct = len({id(p) for p in trained.state_dict(keep_vars=True).values()})
+    assert asked == [1] * distinct  # one tensor a read, each once (the tied one once)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(info["files"]) > 1 and sorted(set(index["weight_map"].values())) == info["files"]
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    loaded = load_exported(tmp_path / "out")
+    inner = trained.hf if info["format"] != "boost_llama" else trained
+    assert_same_state(inner, loaded)
+    if info["format"] == "hf":
+        again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), local_files_only=True)
+        assert again.get_output_embeddings().weight is again.get_input_embeddings().weight
+        assert_same_state(inner, again)
+    else:
+        assert loaded.output.weight is loaded.tok_embeddings.weight
