@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from boost_compile.config import ConfigError
+from boost_compile.export_folder import EXPORT_FILE
 from boost_compile.safetensors_writer import Entry, load_folder_into, write_folder
 
-EXPORT_FILE = "boost_export.json"
 RUN_CONFIG = Path(".hydra") / "config.yaml"
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from boost_compile.costmodel.hardware import HARDWARE_FILES, load_hardware
+from boost_compile.export_folder import export_info
 from boost_compile.plan.memory import PRECISIONS
 from boost_compile.plan.model import SHAPE_PRESETS, ModelSpec, factorized, from_hf_config, from_preset, largest_block_tensor, preset_args
 from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory
@@ -46,7 +47,8 @@ def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec,
         return from_preset(model, **({"vocab_size": vocab_size} if vocab_size else {})), preset_args(model) + vocab
     if path.suffix == ".json" or (path.is_dir() and (path / "config.json").is_file()):
         spec = from_hf_config(path)
-        return (spec.with_vocab(vocab_size) if vocab_size else spec), ("model=hf", f"model.hf_path={path}")
+        exported = ("model.pretrained=true",) if export_info(path) is not None else ()  # its weights are the point
+        return (spec.with_vocab(vocab_size) if vocab_size else spec), ("model=hf", f"model.hf_path={path}", *exported)
     yaml_path = path if path.suffix in (".yaml", ".yml") else _model_config(model)
     if yaml_path is not None:
         from omegaconf import OmegaConf

@@ -22,6 +22,7 @@ from typing import Any
 
 from boost_compile.costmodel import scale_model
 from boost_compile.costmodel.formulas import PAPER_SHAPES
+from boost_compile.export_folder import export_info
 
 #: projection kinds of the reference model (``LlamaConfig.projection``)
 LOW_RANK = ("cola", "lowrank", "lax")
@@ -195,6 +196,8 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
     if not isinstance(config, dict):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
+        if export_info(path) is not None:
+            return from_export(path.parent, name)
         config = json.loads(path.read_text())
         name = name or path.parent.name
     model_type = str(config.get("model_type", ""))
@@ -210,6 +213,26 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
     fields["n_kv_heads"] = int(config.get("num_key_value_heads") or fields["n_heads"])
     return ModelSpec(name or model_type, **fields, projection="dense", bias=bool(config.get("attention_bias", False)),
                      tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+def from_export(folder: str | Path, name: str | None = None) -> ModelSpec:
+    """From a ``boost-export`` folder: its model, a factorized one priced at the largest rank of its
+    attention bottlenecks and of its MLP bottlenecks."""
+    from boost_compile.export_folder import BOOST_LLAMA, llama_fields, lowrank_layers
+
+    folder = Path(folder)
+    if (export_info(folder) or {}).get("format") == BOOST_LLAMA:
+        from boost_compile.models import LlamaConfig
+
+        spec = from_llama_config(name or folder.name, LlamaConfig(**llama_fields(folder)[0]))
+    else:
+        spec = from_hf_config(json.loads((folder / "config.json").read_text()), name or folder.name)
+    layers = lowrank_layers(folder)
+    if not layers:
+        return spec
+    attn = [v["rank"] for k, v in layers.items() if "attn" in k or "attention" in k]
+    mlp = [v["rank"] for k, v in layers.items() if not ("attn" in k or "attention" in k)]
+    return replace(spec, projection="lowrank", rank_attn=max(attn or mlp), rank_mlp=max(mlp or attn))
 
 
 def largest_block_tensor(spec: ModelSpec) -> int:

@@ -59,10 +59,10 @@ def model_spec(tc: TrainConfig) -> ModelSpec:
     """The planner's view of ``model=`` (and ``factorize=``)."""
     m = tc.model
     try:
-        if m.preset:
-            spec = from_preset(m.preset, **{k: v for k, v in m.overrides.items() if k != "vocab_size"})
-        elif m.hf_path:
+        if m.hf_path:  # it names the model whatever the preset (model_shape's order)
             spec = from_hf_config(m.hf_path)
+        elif m.preset:
+            spec = from_preset(m.preset, **{k: v for k, v in m.overrides.items() if k != "vocab_size"})
         elif m.hf_config:
             spec = from_hf_config(dict(m.hf_config))
         else:

@@ -259,7 +259,8 @@ class Trainer:
             params = sum(global_numel(p, dev) for p in model.parameters())
         boost = boost_options(tc.passes)
         backend = tc.passes.backend + (f"(inner={boost.inner})" if boost is not None else "")
-        model_name = tc.model.preset if self.shape.kind == "preset" else f"hf:{self.shape.hf_config.model_type}"
+        model_name = (f"export:{Path(tc.model.hf_path).name}" if tc.model.hf_path and self.shape.kind == "preset"
+                      else tc.model.preset if self.shape.kind == "preset" else f"hf:{self.shape.hf_config.model_type}")
         dp = f"dp={dev.dp}" if dev.dp_shard == 1 else f"dp={dev.dp // dev.dp_shard}x{dev.dp_shard} (fsdp2)"
         mesh = f"{dp} tp={dev.tp}" if dev.pp == 1 else f"pp={dev.pp} {dp} tp={dev.tp}"
         self.title = f"{model_name}, {backend}, {mesh}: {self.label}"

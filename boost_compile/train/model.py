@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,7 +53,7 @@ def fit_vocab(shape: ModelShape, model: ModelConfig, tokenizer_size: int) -> Mod
     from boost_compile.config import ConfigError
     from boost_compile.train.tokenizer import padded_vocab
 
-    fixed = (shape.kind == "hf" and model.pretrained) or (shape.kind == "preset" and "vocab_size" in model.overrides)
+    fixed = model.pretrained or (shape.kind == "preset" and "vocab_size" in model.overrides)
     if fixed:
         if shape.vocab_size < tokenizer_size:
             raise ConfigError(
@@ -102,7 +103,7 @@ def build_on_meta(tc: TrainConfig, shape: ModelShape, device: torch.device | Non
     try:
         with deferred_init(tc.trainer.seed) as recording:
             model = construct(tc, shape)
-        source = _pretrained_source(tc, model) if tc.model.pretrained and shape.kind == "hf" else recording.recipe(model)
+        source = _pretrained_source(tc, model) if tc.model.pretrained else recording.recipe(model)
         source = factorize_model(model, tc, shape, device or torch.device("cpu"), source)
     except MetaInitError as exc:
         raise ConfigError(f"model.init=per_parameter: {exc}") from exc
@@ -119,8 +120,10 @@ def _pretrained_source(tc: TrainConfig, model: nn.Module) -> WeightSource:
     from boost_compile.config import ConfigError
     from boost_compile.weight_sources import SafetensorsFolder
 
+    hf = getattr(model, "hf", None)
     try:
-        folder = SafetensorsFolder(tc.model.hf_path, prefix="hf.", base_prefix=getattr(model.hf, "base_model_prefix", ""))
+        folder = SafetensorsFolder(tc.model.hf_path, prefix="hf." if hf is not None else "",
+                                   base_prefix=getattr(hf, "base_model_prefix", ""))
     except FileNotFoundError as exc:
         raise ConfigError(f"model.init=per_parameter reads pretrained weights from safetensors: {exc}; "
                           "model.init=global_rng loads the folder whole with from_pretrained") from exc
@@ -137,16 +140,22 @@ def _pretrained_source(tc: TrainConfig, model: nn.Module) -> WeightSource:
 
 def construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
     """The model from its config, its weights initialised by its own code (on the host, or on meta
-    under :func:`build_on_meta`)."""
+    under :func:`build_on_meta`), with a boost-export folder's bottlenecks."""
+    from boost_compile.models.llama import apply_lowrank_layout
+
     if shape.kind == "preset":
         from boost_compile.models import Llama
 
-        return Llama(shape.llama_config)
+        model = Llama(shape.llama_config)
+        apply_lowrank_layout(model, shape.lowrank_layers)
+        return model
     import transformers
 
     config = shape.hf_config
     config.use_cache = False
-    return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).float())
+    hf = transformers.AutoModelForCausalLM.from_config(config).float()
+    apply_lowrank_layout(hf, shape.lowrank_layers)
+    return HFCausalLM(hf)
 
 
 def materialize_part(model: nn.Module, source: WeightSource, device: torch.device, what: str,
@@ -179,6 +188,10 @@ def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn
     if shape.kind == "preset":
         from boost_compile.models import Llama
 
+        if tc.model.pretrained:  # a boost-export folder of a reference model
+            model = Llama.from_pretrained(tc.model.hf_path, device=device).float()
+            model.reset_rope()  # recomputed in fp32, as a model built here holds them
+            return model
         return Llama(shape.llama_config, device=device)
     import transformers
 
@@ -188,9 +201,17 @@ def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn
         if tc.model.init == "per_parameter":
             log.info("model.init=per_parameter: %s holds no safetensors; every rank loads it whole with "
                      "from_pretrained", tc.model.hf_path)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            tc.model.hf_path, config=config, local_files_only=True
-        )
+        if shape.lowrank_layers:  # a boost-export folder of a factorized Hugging Face model
+            from boost_compile.models.llama import apply_lowrank_layout
+            from boost_compile.safetensors_writer import load_folder_into
+
+            hf = transformers.AutoModelForCausalLM.from_config(config).float()
+            apply_lowrank_layout(hf, shape.lowrank_layers)
+            load_folder_into(hf, Path(tc.model.hf_path).expanduser())
+        else:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                tc.model.hf_path, config=config, local_files_only=True
+            )
     else:
         hf = transformers.AutoModelForCausalLM.from_config(config)
     return HFCausalLM(hf.float()).to(device)

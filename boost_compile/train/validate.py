@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from boost_compile.config import BoostConfig, ConfigError, FactorizeConfig
+from boost_compile.export_folder import BOOST_LLAMA, export_info, llama_fields, lowrank_layers
 from boost_compile.train.config import (
     GROUPS,
     DataConfig,
@@ -49,6 +50,8 @@ class ModelShape:
     tie_embeddings: bool = False
     llama_config: Any = None  # LlamaConfig for presets
     hf_config: Any = None  # transformers PretrainedConfig for hf
+    #: a boost-export folder's bottlenecks (module name -> shape), made when the model is built
+    lowrank_layers: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 #: Root keys that are not the schema's: the node Hydra adds to a config composed with
@@ -187,6 +190,8 @@ def model_shape(model: ModelConfig, seq: int) -> ModelShape:
         raise ConfigError("model: give hf_path or hf_config, not both")
     if model.init not in MODEL_INITS:
         raise ConfigError(f"model.init={model.init!r}; valid choices: {', '.join(MODEL_INITS)}")
+    if model.hf_path and export_info(model.hf_path) is not None:
+        return _export_shape(model)
     if model.hf_path or model.hf_config is not None:
         return _hf_shape(model)
     if model.preset is None:
@@ -212,6 +217,32 @@ def model_shape(model: ModelConfig, seq: int) -> ModelShape:
         dense=config.projection == "dense",
         tie_embeddings=config.tie_embeddings,
         llama_config=config,
+    )
+
+
+def _export_shape(model: ModelConfig) -> ModelShape:
+    """A ``boost-export`` folder as ``model.hf_path``: its model, bottlenecks included (a reference
+    model's from its ``config.json``, a Hugging Face model's from its config and ``boost_export.json``)."""
+    info = export_info(model.hf_path) or {}
+    if not model.pretrained and info.get("format") != "hf":
+        raise ConfigError(f"model.hf_path={model.hf_path} is a boost-export folder ({info.get('format')}): "
+                          "set model.pretrained=true to start from its weights")
+    if info.get("format") != BOOST_LLAMA:
+        return dataclasses.replace(_hf_shape(model), dense=not lowrank_layers(model.hf_path),
+                                   lowrank_layers=lowrank_layers(model.hf_path))
+    from boost_compile.models import LlamaConfig
+
+    if model.overrides:
+        raise ConfigError("model.overrides: a pretrained reference model keeps the config of its folder")
+    fields, layers = llama_fields(model.hf_path)
+    try:
+        config = LlamaConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.hf_path={model.hf_path}: its config.json is not a LlamaConfig ({exc})") from exc
+    return ModelShape(
+        kind="preset", n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, ffn_dim=config.ffn_dim, dim=config.dim,
+        vocab_size=config.vocab_size, dense=config.projection == "dense" and not layers,
+        tie_embeddings=config.tie_embeddings, llama_config=config, lowrank_layers=layers,
     )
 
 
@@ -316,7 +347,7 @@ def check_tokenizer(data: DataConfig, model: ModelConfig, shape: ModelShape) -> 
             raise ConfigError(f"data.tokenizer={data.tokenizer!r} does not load: {exc}") from exc
         what = str(size)
     fixed = None
-    if shape.kind == "hf" and model.pretrained:
+    if model.pretrained:
         fixed = ("the pretrained model's vocab_size", shape.vocab_size)
     elif shape.kind == "preset" and "vocab_size" in model.overrides:
         fixed = ("model.overrides.vocab_size", shape.vocab_size)
@@ -515,8 +546,9 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
     shape = model_shape(tc.model, tr.seq)
     factorize = factorize_config(tc.factorize)
     if factorize is not None and not shape.dense:
+        what = f"model.hf_path={tc.model.hf_path}" if tc.model.hf_path else f"preset {tc.model.preset!r}"
         raise ConfigError(
-            f"factorize turns dense linears into bottlenecks, but preset {tc.model.preset!r} is already low-rank; "
+            f"factorize turns dense linears into bottlenecks, but {what} is already low-rank; "
             "use a dense model (model=tiny-dense, llama-*, a Hugging Face model) or factorize=none"
         )
     if passes.backend != "boost" and passes.options:

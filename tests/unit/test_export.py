@@ -186,3 +186,43 @@ def test_export_streams_one_tensor_at_a_time_into_shards(tmp_path, monkeypatch, 
         assert_same_state(inner, again)
     else:
         assert loaded.output.weight is loaded.tok_embeddings.weight
+
+@pytest.mark.parametrize(
+    ("overrides", "model"),
+    [(("model=tiny-dense", "factorize=svd25"), "model=tiny"), (("model=hf-tiny", "factorize=cola25"), "model=hf"),
+     (("model=hf-tiny",), "model=hf")],
+    ids=["reference-svd25", "hf-lowrank", "hf"],
+)
+def test_an_export_starts_a_run_as_its_pretrained_weights(tmp_path, overrides, model):
+    """``model.hf_path=EXPORT model.pretrained=true``: the run is built with the export's bottlenecks
+    and starts from its weights bitwise, on the meta device (read slice by slice) and whole."""
+    from boost_compile.train.validate import validate
+
+    if "model=hf-tiny" in overrides:
+        pytest.importorskip("transformers")
+    out = train(tmp_path / "run", *overrides)
+    export(out, tmp_path / "out")
+    exported = load_exported(tmp_path / "out")
+    for init in ("per_parameter", "global_rng"):
+        tc, shape = validate(cfg_of(*QUICK, model, f"model.hf_path={tmp_path / 'out'}", "model.pretrained=true",
+                                    f"model.init={init}"))
+        assert shape.lowrank_layers == json.loads((tmp_path / "out" / EXPORT_FILE).read_text())["lowrank_layers"] or (
+            model == "model=tiny" and len(shape.lowrank_layers) == 2 * 7)
+        built = build_model(tc, fit_vocab(shape, tc.model, 256), torch.device("cpu"))
+        assert_same_state(getattr(built, "hf", built), exported)
+    if model == "model=tiny":  # it trains; factorizing it again is refused by name
+        run(cfg_of(*QUICK, model, f"model.hf_path={tmp_path / 'out'}", "model.pretrained=true"), tmp_path / "again")
+        with pytest.raises(Exception, match="already low-rank"):
+            validate(cfg_of(*QUICK, model, f"model.hf_path={tmp_path / 'out'}", "model.pretrained=true", "factorize=svd25"))
+
+def test_the_planner_prices_an_export_as_its_bottlenecks(tmp_path):
+    """boost-plan and parallel=auto read a reference export's config.json and its bottlenecks."""
+    from boost_compile.plan.model import from_hf_config
+
+    out = train(tmp_path / "run", "model=tiny-dense", "factorize=svd25")
+    export(out, tmp_path / "out")
+    spec = from_hf_config(tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    ranks = {v["rank"] for v in config["lowrank_layers"].values()}
+    assert spec.projection == "lowrank" and {spec.rank_attn, spec.rank_mlp} <= ranks
+    assert (spec.dim, spec.n_layers, spec.vocab_size) == (config["dim"], config["n_layers"], config["vocab_size"])
