@@ -84,6 +84,25 @@ def test_hf_model_starts_like_one_process(layout, tmp_path):
     assert _starts_alike(2, ["model=hf-tiny", *layout], tmp_path / "run") == HF_TINY_TENSORS
 
 
+@pytest.mark.extended
+def test_a_factorized_export_under_tp2_starts_like_one_process(tmp_path):
+    """A boost-export of tiny-dense + svd25 as the pretrained model of a TP2 (btp) run: each rank
+    reads its TP shards of the exported factors."""
+    from omegaconf import OmegaConf
+
+    from boost_compile.export import export
+    from boost_compile.train import run
+
+    cfg = cfg_of(*FAST, "passes=none", "trainer.steps=2", "model=tiny-dense", "factorize=svd25")
+    run(cfg, tmp_path / "trained")
+    (tmp_path / "trained" / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / "trained" / ".hydra" / "config.yaml")
+    export(tmp_path / "trained", tmp_path / "export")
+    overrides = ["model=tiny", f"model.hf_path={tmp_path / 'export'}", "model.pretrained=true", "parallel=tp2",
+                 "passes=boost_aot_eager"]
+    assert _starts_alike(2, overrides, tmp_path / "run") == TINY_TENSORS
+
+
 def test_global_rng_is_the_models_own_init():
     """model.init=global_rng: the model as its own code builds it from the seeded global RNG."""
     from boost_compile.models import Llama
