@@ -16,7 +16,9 @@ from boost_compile.config import (
     FactorizeConfig,
 )
 from boost_compile.distributed import (
+    ExpertParallelError,
     ParallelizeError,
+    expert_parallel_,
     gather_full_grads,
     gather_full_state_dict,
     parallelize_,
@@ -32,6 +34,7 @@ __all__ = [
     "BlockCompileError",
     "BoostConfig",
     "ConfigError",
+    "ExpertParallelError",
     "Explanation",
     "FactorizeConfig",
     "FactorizeReport",
@@ -41,6 +44,7 @@ __all__ = [
     "boost_backend",
     "compile",
     "compile_blocks",
+    "expert_parallel_",
     "explain",
     "factorize_",
     "gather_full_grads",

@@ -1,0 +1,147 @@
+"""Expert parallelism (``boost_compile.distributed.expert_parallel``): two gloo processes
+(``mp.spawn``) shard transformers' tiny mixtures of experts by expert, each rank runs its own rows of
+the batch, and the losses and every gradient (the replicated ones averaged over the ranks, the
+experts' gathered) are judged by the parity rule against the whole batch in one process (eager
+fp32) and its float64 truth. One group runs several architectures in turn.
+
+The experts run transformers' "eager" implementation in every run (its grouped GEMM has no
+float64); a planted bug (the experts' gradients not divided by ep) must break the rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+#: routed experts, a latent-attention model with a dense first layer, experts with biases and a
+#: clamped gate, and Llama 4's every-token-through-every-expert form
+MAIN = ("qwen3_moe", "gpt_oss", "llama4_text")
+EXTENDED = ("mixtral", "deepseek_v3")
+
+
+def _worker(rank: int, world: int, port: int, types: list[str], out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import transformers
+
+    from boost_compile.bench.zoo_models import tiny_config, zero_dropout
+    from boost_compile.distributed.expert_parallel import expert_parallel_, is_expert_parameter
+    from boost_compile.parity import Float64Program, compare
+    from boost_compile.process_exit import exit_without_finalizing
+
+    results = {}
+    for model_type in types:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+        zero_dropout(model)
+        with contextlib.suppress(Exception):  # an architecture without the choice keeps its own
+            model.set_experts_implementation("eager")
+        eager, truth = copy.deepcopy(model), copy.deepcopy(model).double()
+        report = expert_parallel_(model)
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (2 * world, 16), generator=torch.Generator().manual_seed(1))
+        mine = ids[2 * rank:2 * rank + 2]
+        loss = model(input_ids=mine, labels=mine).loss
+        loss.backward()
+        tested, experts = {}, []
+        for name, p in model.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)  # no rows reached this rank's expert
+            if is_expert_parameter(p):
+                parts = [torch.empty_like(g) for _ in range(world)]
+                dist.all_gather(parts, g.contiguous())
+                tested[name] = torch.cat(parts)
+                experts.append(name)
+            else:
+                tested[name] = g.clone()
+                dist.all_reduce(tested[name])
+                tested[name] /= world
+        tested["loss"] = loss.detach().clone()
+        dist.all_reduce(tested["loss"])
+        tested["loss"] /= world
+        eager_loss = eager(input_ids=ids, labels=ids).loss
+        eager_loss.backward()
+        with Float64Program():
+            truth_loss = truth(input_ids=ids, labels=ids).loss
+            truth_loss.backward()
+        e = {**{n: p.grad for n, p in eager.named_parameters()}, "loss": eager_loss.detach()}
+        t = {**{n: p.grad for n, p in truth.named_parameters()}, "loss": truth_loss.detach()}
+        planted = {**tested, **{n: tested[n] * world for n in experts}}
+        results[model_type] = {
+            "bad": [str(b) for b in compare(tested, e, t, torch.float32)],
+            "planted": sorted(b.name for b in compare(planted, e, t, torch.float32)),
+            "experts": experts, "layers": report.layers,
+            "local": report.local_numel, "total": report.total_numel, "shapes": {
+                n: list(p.shape) for n, p in model.named_parameters() if is_expert_parameter(p)},
+            "whole": {n: list(p.shape) for n, p in eager.named_parameters() if n in experts},
+        }
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_without_finalizing(0)
+
+
+def _run(types: tuple[str, ...], tmp_path: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "results.json"
+    mp.spawn(_worker, args=(2, port, list(types), str(out)), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
+def _check(results: dict, model_type: str) -> None:
+    r = results[model_type]
+    assert r["bad"] == [], f"{model_type} under EP2 breaks the parity rule: {r['bad']}"
+    assert r["layers"] and set(r["layers"].values()) == ({"dense"} if model_type == "llama4_text" else {"routed"})
+    # each rank holds half of every expert tensor, cut on the expert dim
+    assert r["total"] == 2 * r["local"] > 0
+    for name in r["experts"]:
+        assert r["shapes"][name] == [r["whole"][name][0] // 2, *r["whole"][name][1:]]
+    # the rule can fail: expert gradients left summed over the ranks break it, and only those
+    assert r["planted"] and set(r["planted"]) <= set(r["experts"])
+
+
+def test_ep2_matches_one_process(tmp_path):
+    results = _run(MAIN, tmp_path)
+    for model_type in MAIN:
+        _check(results, model_type)
+
+
+@pytest.mark.extended
+def test_ep2_matches_one_process_more_architectures(tmp_path):
+    results = _run(EXTENDED, tmp_path)
+    for model_type in EXTENDED:
+        _check(results, model_type)
+
+
+def test_experts_of_another_form_are_refused_by_name():
+    """A list of expert modules (older code) is named in the refusal; a model without experts too."""
+    from torch import nn
+
+    from boost_compile.distributed.expert_parallel import ExpertParallelError, find_experts
+
+    class Moe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    model = nn.Sequential(nn.Linear(8, 8), Moe())
+    with pytest.raises(ExpertParallelError, match=r"1\.experts \(ModuleList\)"):
+        find_experts(model)
+    assert find_experts(nn.Sequential(nn.Linear(8, 8))) == {}
