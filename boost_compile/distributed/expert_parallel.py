@@ -154,10 +154,20 @@ class ExpertParallel:
         by_expert = torch.argsort(local_ids, stable=True)
         ones = torch.ones(len(by_expert), 1, dtype=hidden.dtype, device=hidden.device)
         out = super().forward(rows[by_expert], local_ids[by_expert].unsqueeze(1), ones)
+        if rows.shape[0] == 0 and torch.is_grad_enabled():
+            out = out + 0 * self._anchor(rows)
         out = out[torch.argsort(by_expert)]
         back = _a2a(out, send, recv, group)
         weight = weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(hidden).index_add(0, token, (back * weight).to(hidden.dtype))
+
+    def _anchor(self, rows: torch.Tensor) -> torch.Tensor:
+        """A zero that depends on the received rows and on every expert parameter. A rank that
+        received no rows must still run both all-to-alls' backward (the other ranks wait for it)
+        and give its experts a zero gradient (as one process does for an expert no token chose);
+        the module's forward on no rows returns a tensor that depends on neither."""
+        terms = [rows.sum()] + [p.sum() for p in self.parameters(recurse=False) if p.requires_grad]
+        return torch.stack(terms).sum()
 
     def _dense(self, hidden: torch.Tensor) -> torch.Tensor:
         s = self._ep_shard

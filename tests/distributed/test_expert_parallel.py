@@ -86,11 +86,62 @@ def _worker(rank: int, world: int, port: int, types: list[str], out: str) -> Non
                 n: list(p.shape) for n, p in model.named_parameters() if is_expert_parameter(p)},
             "whole": {n: list(p.shape) for n, p in eager.named_parameters() if n in experts},
         }
+    results["skewed"] = _skewed(rank, world)
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
     exit_without_finalizing(0)
+
+
+def _skewed(rank: int, world: int) -> dict:
+    """Every token routed to rank 0's experts: rank 1 receives no rows, yet runs both all-to-alls'
+    backward and gives its experts a zero gradient. Judged on the experts module alone: outputs,
+    input gradients and expert gradients (times ep: the hook's data-parallel mean of a summed loss)."""
+    import torch.distributed as dist
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from boost_compile.bench.zoo_models import tiny_config
+    from boost_compile.distributed.expert_parallel import shard_experts
+    from boost_compile.parity import Float64Program, compare
+
+    config = tiny_config("qwen3_moe")
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    whole = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.normal_(0, 0.1)
+    tested_module, truth_module = copy.deepcopy(whole), copy.deepcopy(whole).double()
+    shard_experts(tested_module, "routed", dist.group.WORLD)
+    g = torch.Generator().manual_seed(2)
+    rows = 4 * world
+    hidden = torch.randn(rows, config.hidden_size, generator=g)
+    index = torch.stack([torch.zeros(rows, dtype=torch.long), torch.ones(rows, dtype=torch.long)], 1)
+    weights, probe = torch.rand(rows, 2, generator=g), torch.randn(rows, config.hidden_size, generator=g)
+
+    def run(module, x, idx, w, pr):
+        x = x.clone().requires_grad_()
+        out = module(x, idx, w)
+        (out * pr).sum().backward()
+        return out.detach(), x.grad
+
+    mine = slice(4 * rank, 4 * rank + 4)
+    out, x_grad = run(tested_module, hidden[mine], index[mine], weights[mine], probe[mine])
+    received: list = [None] * world
+    dist.all_gather_object(received, all(p.grad is not None for p in tested_module.parameters()))
+    tested = {}
+    for name, t in [("out", out), ("x_grad", x_grad)] + [(n, p.grad * world) for n, p in tested_module.named_parameters()]:
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        tested[name] = torch.cat(parts)
+    eager = dict(zip(("out", "x_grad"), run(whole, hidden, index, weights, probe), strict=True))
+    eager.update({n: p.grad for n, p in whole.named_parameters()})
+    with Float64Program():
+        truth = dict(zip(("out", "x_grad"), run(truth_module, hidden.double(), index, weights.double(), probe.double()),
+                         strict=True))
+    truth.update({n: p.grad for n, p in truth_module.named_parameters()})
+    return {"bad": [str(b) for b in compare(tested, eager, truth, torch.float32)], "grads": all(received)}
 
 
 def _run(types: tuple[str, ...], tmp_path: Path) -> dict:
@@ -120,6 +171,7 @@ def test_ep2_matches_one_process(tmp_path):
     results = _run(MAIN, tmp_path)
     for model_type in MAIN:
         _check(results, model_type)
+    assert results["skewed"] == {"bad": [], "grads": True}
 
 
 @pytest.mark.extended
