@@ -469,14 +469,17 @@ def local_box(p: torch.Tensor) -> tuple[slice, ...] | None:
 
 def local_index(p: torch.Tensor, whole: torch.Size, spec: Any = None) -> Index:
     """Where this rank's elements of ``p`` lie in the whole parameter of shape ``whole``: its TP
-    shard (``spec``, ``parallelize_``'s ShardSpec, default ``p._boost_tp``) cut again to its DTensor
-    box (FSDP2)."""
+    shard (``spec``, ``parallelize_``'s ShardSpec, default ``p._boost_tp``) or its experts
+    (``_boost_ep``, ``expert_parallel_``) cut again to its DTensor box (FSDP2)."""
     from boost_compile.distributed.shard import shard_index
 
     spec = getattr(p, "_boost_tp", None) if spec is None else spec
     index: list[torch.Tensor | None] = [None] * len(whole)
     if spec is not None and spec.dim is not None:
         index[spec.dim] = shard_index(spec, whole[spec.dim])
+    experts = getattr(p, "_boost_ep", None)  # expert parallelism: this rank's experts, on dim 0
+    if experts is not None:
+        index[0] = torch.arange(experts.start, experts.start + experts.local)
     return narrowed(tuple(index), local_box(p))
 
 

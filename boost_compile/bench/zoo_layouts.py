@@ -90,6 +90,7 @@ class Layout:
     plan: str | None = None  # parallelize_'s plan (None: no TP)
     fsdp: bool = False
     factorize: bool = False
+    ep: bool = False  # expert_parallel_ over the world, each rank its batch row
     sample: tuple[str, ...] | None = None  # the default architectures (None: every one)
     about: str = ""
 
@@ -109,6 +110,10 @@ LAYOUTS: dict[str, Layout] = {
                         about="4 gloo ranks, mesh (dp_shard 2, tp 2): parallelize_(plan='megatron') over tp, blocks "
                               "compiled one by one (whole model where compile_blocks refuses), FSDP2 over dp_shard as "
                               "boost-train applies it; each TP pair a batch row"),
+    "ep2": Layout("ep2", 2, ep=True,
+                  about="2 gloo ranks, data parallel (rank r: batch row r), expert_parallel_ (the experts sharded by "
+                        "expert, tokens dispatched by all-to-all), torch.compile(model, backend='boost'); the replicated "
+                        "gradients averaged over the ranks, the experts' gathered; mixtures of experts only"),
 }
 
 
@@ -264,6 +269,8 @@ class Rank:
 
             self.dp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
             self.dp_rank, self.dp_size = rank, world
+        elif layout.ep:
+            self.dp_rank, self.dp_size = rank, world
         else:
             self.tp = dist.group.WORLD
 
@@ -390,6 +397,9 @@ def _shard(ctx: Rank, model: Any, local_ids: Any, result: LayoutResult) -> tuple
     layout = ctx.layout
     options = {"inner": "aot_eager"}
     specs: dict[str, Any] = {}
+    if layout.ep:
+        ctx.stage(result, "shard")
+        bc.expert_parallel_(model)
     if layout.plan is not None:
         ctx.stage(result, "shard")
         bc.parallelize_(model, (local_ids,), ctx.tp, plan=layout.plan)
@@ -450,15 +460,31 @@ def _blocks(model: Any) -> list[str]:
         raise ZooSkip(f"no decoder blocks to shard: {exc}") from exc
 
 
-def _full_grads(model: Any, specs: Mapping[str, Any]) -> dict[str, Any]:
+def _full_grads(model: Any, specs: Mapping[str, Any], ep: int = 0) -> dict[str, Any]:
     """Every parameter's whole gradient (a collective, in the same order on every rank): FSDP2's
-    DTensor gathered, then a TP shard gathered by its spec."""
+    DTensor gathered, then a TP shard gathered by its spec. ``ep``: the expert-parallel world
+    (data parallel without a wrapper): an expert's gradient gathered on the expert dim, the others
+    averaged over the ranks and put back for the optimizer's step, as DDP would."""
+    import torch
+    import torch.distributed as dist
+
+    from boost_compile.distributed.expert_parallel import is_expert_parameter
     from boost_compile.distributed.shard import full_tensor
 
     out = {}
     for name, p in model.named_parameters():
         g = p.grad
-        if g is not None:
+        if ep and p.requires_grad:  # every rank takes part, a grad or not (a rank no token reached)
+            g = torch.zeros_like(p) if g is None else g.detach().clone()
+            if is_expert_parameter(p):
+                parts = [torch.empty_like(g) for _ in range(ep)]
+                dist.all_gather(parts, g.contiguous())
+                g = torch.cat(parts)
+            else:
+                dist.all_reduce(g)
+                g /= ep
+                p.grad = g.clone()
+        elif g is not None:
             if hasattr(g, "full_tensor"):
                 g = g.full_tensor()
             g = full_tensor(g, specs.get(name)) if name in specs else g.detach().clone()
@@ -505,6 +531,16 @@ def run_architecture(ctx: Rank, model_type: str, seed: int = SEED) -> LayoutResu
         except Exception as exc:  # noqa: BLE001
             raise ZooSkip(f"building fails: {_one_line(exc)}") from exc
         _one_graph_experts(model)
+        if ctx.layout.ep:
+            from boost_compile.distributed.expert_parallel import find_experts
+
+            try:
+                experts = find_experts(model)
+            except Exception as exc:  # noqa: BLE001 - an experts module of another form: refused, named
+                status = zoo.classify_exception(exc)
+            else:
+                if not experts:
+                    raise ZooSkip("no mixture-of-experts layer (nothing for expert parallelism to shard)")
         if ctx.layout.factorize:
             ctx.stage(result, "factorize")
             import boost_compile as bc
@@ -564,7 +600,7 @@ def run_architecture(ctx: Rank, model_type: str, seed: int = SEED) -> LayoutResu
                 status = zoo.classify_exception(exc)
             status = ctx.agree(status)
             if status is None:
-                grads = _full_grads(model, specs)
+                grads = _full_grads(model, specs, ctx.world if ctx.layout.ep else 0)
                 tested.append((_mean_loss(loss, ctx.world), grads))
                 opt.step()
     result.verify = zoo._verify_notes(caught)

@@ -25,16 +25,20 @@ A routed layer's forward on each rank:
 4. send the results back, weight them and add them per token in expert order, as the module adds
    them in one process.
 
-Gradients: a rank's expert parameters receive the sum of every rank's tokens' gradients; a hook
-divides them by ``ep`` so that they are the data-parallel mean the replicated parameters get from
-their all-reduce. Expert parameters carry ``_boost_ep`` (their :class:`ExpertShard`): a
-data-parallel wrapper must not all-reduce them over the EP group.
+Gradients: a rank's expert parameters receive the sum of every rank's tokens' gradients; they
+are to be the data-parallel mean the replicated parameters get from their all-reduce, so the
+gradient entering the experts' outputs is divided by ``ep`` and the one leaving their inputs
+multiplied back (:class:`_ScaleGrad`, in the graph: no tensor hook, which a parameter re-created
+by ``materialize_`` or FSDP2 would lose; exact for ep a power of two). Expert parameters carry
+``_boost_ep`` (their :class:`ExpertShard`): a data-parallel wrapper must not all-reduce them over
+the EP group.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,6 +119,26 @@ def find_experts(model: nn.Module) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the layer
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, its gradient multiplied by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def _experts_mean(forward: Any, ep: int, rows: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``forward(rows, *args)`` with the experts' parameter gradients divided by ``ep`` (the
+    data-parallel mean of every rank's tokens) and the rows' gradient left as it is."""
+    out = forward(_ScaleGrad.apply(rows, float(ep)), *args)
+    return _ScaleGrad.apply(out, 1.0 / ep)
+
+
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
@@ -153,7 +177,7 @@ class ExpertParallel:
         local_ids = torch.arange(s.local, device=hidden.device).repeat(s.ep).repeat_interleave(recv_counts)
         by_expert = torch.argsort(local_ids, stable=True)
         ones = torch.ones(len(by_expert), 1, dtype=hidden.dtype, device=hidden.device)
-        out = super().forward(rows[by_expert], local_ids[by_expert].unsqueeze(1), ones)
+        out = _experts_mean(super().forward, s.ep, rows[by_expert], local_ids[by_expert].unsqueeze(1), ones)
         if rows.shape[0] == 0 and torch.is_grad_enabled():
             out = out + 0 * self._anchor(rows)
         out = out[torch.argsort(by_expert)]
@@ -176,7 +200,7 @@ class ExpertParallel:
         split = [s.local * per] * s.ep
         rows = _a2a(hidden, split, split, self._ep_group)  # [ep source, local, per, D]
         rows = rows.view(s.ep, s.local, per, dim).transpose(0, 1).reshape(-1, dim)
-        out = super().forward(rows).view(s.local, s.ep, per, dim).transpose(0, 1).reshape(-1, dim)
+        out = _experts_mean(super().forward, s.ep, rows).view(s.local, s.ep, per, dim).transpose(0, 1).reshape(-1, dim)
         return _a2a(out, split, split, self._ep_group)
 
 
@@ -192,8 +216,6 @@ def shard_experts(experts: nn.Module, pattern: str, group: dist.ProcessGroup, fq
         for name, p in list(experts.named_parameters(recurse=False)):
             kept = nn.Parameter(p[shard.start:shard.start + local].clone(), requires_grad=p.requires_grad)
             kept._boost_ep = shard
-            if kept.requires_grad:
-                kept.register_hook(lambda g, ep=ep: g / ep)
             setattr(experts, name, kept)
     cls = type(experts)
     experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
