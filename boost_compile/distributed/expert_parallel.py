@@ -168,6 +168,8 @@ class ExpertParallel:
         order = order[flat[order] < s.total]  # a dropped assignment (the sentinel) goes nowhere
         token = torch.div(order, k, rounding_mode="floor")
         counts = torch.bincount(flat[order], minlength=s.total)
+        if self.training:  # this rank's tokens per expert, read and reset by expert_load
+            self.tokens_per_expert.add_(counts)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=group)
         send = counts.view(s.ep, s.local).sum(1).tolist()
@@ -217,6 +219,8 @@ def shard_experts(experts: nn.Module, pattern: str, group: dist.ProcessGroup, fq
             kept = nn.Parameter(p[shard.start:shard.start + local].clone(), requires_grad=p.requires_grad)
             kept._boost_ep = shard
             setattr(experts, name, kept)
+    on = torch.device("cpu") if any(p.is_meta for p in experts.parameters()) else next(experts.parameters()).device
+    experts.register_buffer("tokens_per_expert", torch.zeros(total, dtype=torch.long, device=on), persistent=False)
     cls = type(experts)
     experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
     experts.num_experts = local
@@ -246,6 +250,23 @@ def expert_parallel_(model: nn.Module, group: dist.ProcessGroup | None = None) -
         report.layers[fqn] = pattern
         report.local_numel += sum(p.numel() for p in experts.parameters(recurse=False))
     return report
+
+
+def expert_load(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """The tokens each expert received since the last call, over every rank of ``group`` (a
+    collective): ``experts_tokens`` (a list per routed layer, a count per expert) and
+    ``experts_max_over_mean`` (the most loaded expert over the mean, worst layer: 1 is balanced,
+    ``num_experts / top_k`` all on one). The counts are reset. Empty for a model without routed layers."""
+    layers = [m for m in model.modules() if isinstance(m, ExpertParallel) and m._ep_pattern == ROUTED]
+    if not layers:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in layers])
+    dist.all_reduce(counts, group=group)
+    for m in layers:
+        m.tokens_per_expert.zero_()
+    mean = counts.double().mean(1).clamp_min(1e-12)
+    return {"experts_tokens": counts.tolist(),
+            "experts_max_over_mean": float((counts.double().max(1).values / mean).max())}
 
 
 def is_expert_parameter(p: torch.Tensor) -> bool:

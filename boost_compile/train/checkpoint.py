@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 
 from boost_compile.config import ConfigError
-from boost_compile.train.checkpoint_shards import over_fsdp, to_local, to_saved
+from boost_compile.train.checkpoint_shards import experts_saved, over_fsdp, to_local, to_saved
 from boost_compile.train.config import CheckpointConfig, TrainConfig
 from boost_compile.train.data import PackedTokens
 from boost_compile.train.optim import local_optimizer
@@ -270,6 +270,8 @@ class Checkpointer:
             if self.dev.dp_shard > 1:  # FSDP2's slices of the TP shards, over (dp_shard, tp)
                 model_sd, optim_sd = over_fsdp(self.model, self.dev.mesh, model_sd, optim_sd)
             model_sd, optim_sd = to_saved(self.model, self.dev.mesh["tp"], model_sd, optim_sd)
+        if self.dev.ep > 1:  # each dp rank its own experts: shards of the whole
+            model_sd, optim_sd = experts_saved(self.model, self.dev.mesh["dp"], model_sd, optim_sd)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
         if self.dev.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.dev.device)

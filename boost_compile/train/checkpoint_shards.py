@@ -95,6 +95,27 @@ def to_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: di
     return model_sd, map_optim_state(optim_sd, wrap)
 
 
+def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
+    """Expert parallelism: each rank's experts (``_boost_ep``), and their optimizer state, as
+    DTensors ``Shard(0)`` of the whole over ``mesh`` (the dp ranks they are sharded over), so DCP
+    saves every rank's experts where they belong and loads them into any other ``ep`` or into one
+    process. Plain tensors under one name would be taken for replicas: one rank's experts saved
+    for all. New dicts, as :func:`to_saved`'s."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shards = {name: p._boost_ep for name, p in model.named_parameters() if getattr(p, "_boost_ep", None) is not None}
+
+    def wrap(name: str, t: Any) -> Any:
+        shard = shards.get(name)
+        if shard is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
+            return t
+        shape = torch.Size((shard.total, *t.shape[1:]))
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    return {name: wrap(name, t) for name, t in model_sd.items()}, map_optim_state(optim_sd, wrap)
+
+
 def saved_form(t: torch.Tensor, spec: ShardSpec, mesh: Any) -> Any:
     """One shard ``t`` as DCP saves it: a DTensor ``Shard`` of the whole tensor, its padding dropped.
 

@@ -156,6 +156,14 @@ class ParallelConfig:
     """Pipeline stages on each pipeline rank."""
     layers_per_stage: list[int] | None = None
     """Blocks per stage, one count per stage in stage order (null: balanced)."""
+    ep: int = 1
+    """Expert parallelism: each mixture-of-experts layer's experts sharded by expert over this many
+    data-parallel ranks, every rank's tokens sent to their experts' rank by all-to-all and back
+    (``boost_compile.expert_parallel_``; attention, routers and shared experts stay whole, under
+    DDP). It borrows the data-parallel ranks: for now ``ep`` equals ``dp`` (no tp, pp, dp_shard or
+    zero with it). Each rank builds and holds only its experts; a checkpoint saves them as shards of
+    the whole, so it resumes under any other ``ep`` or in one process. The model must have experts
+    modules of transformers' form (a Hugging Face MoE); anything else is refused by name."""
     zero: int = 0
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from boost_compile import _torch_compat as compat
+from boost_compile.distributed.expert_parallel import expert_load
 from boost_compile.train.checkpoint import Checkpointer, StopOnSignal, checkpoint_dir
 from boost_compile.train.collective_errors import reported_collectives, step_collectives
 from boost_compile.train.config import TrainConfig
@@ -335,6 +336,8 @@ class Trainer:
                         row["mfu"] = mfu
                     if out.grad_norm is not None:
                         row["grad_norm"] = out.grad_norm
+                    if dev.ep > 1:  # tokens per expert over every rank (an all-reduce)
+                        row.update(expert_load(ckpt.model, dev.group("dp")))
                     metrics.write(row)
                     progress.step(step, out.loss, out.lr, step_s, first)
                     if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:

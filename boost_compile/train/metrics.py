@@ -54,6 +54,7 @@ TENSORBOARD_TAGS = {
     "tokens_per_s": "train/tokens_per_s",
     "mfu": "train/mfu",
     "grad_norm": "train/grad_norm",
+    "experts_max_over_mean": "moe/tokens_max_over_mean",
     "step_s": "train/step_s",
     "val_loss": "val/loss",
 }

@@ -154,8 +154,27 @@ def construct(tc: TrainConfig, shape: ModelShape) -> nn.Module:
     config = shape.hf_config
     config.use_cache = False
     hf = transformers.AutoModelForCausalLM.from_config(config).float()
+    fp64_experts(tc, hf)
     apply_lowrank_layout(hf, shape.lowrank_layers)
     return HFCausalLM(hf)
+
+
+def fp64_experts(tc: TrainConfig, hf: nn.Module) -> None:
+    """``trainer.precision=fp64``: a mixture of experts on transformers' eager experts loop, as its
+    default grouped GEMM (``torch._grouped_mm``) has no float64 (logged)."""
+    import contextlib
+
+    from boost_compile.distributed.expert_parallel import find_experts
+
+    if tc.trainer.precision != "fp64" or not hasattr(hf, "set_experts_implementation"):
+        return
+    with contextlib.suppress(ValueError):
+        if not find_experts(hf):
+            return
+    if getattr(hf.config, "_experts_implementation", None) in (None, "grouped_mm"):
+        log.info("trainer.precision=fp64: the experts run transformers' eager implementation (grouped_mm has no float64)")
+        with contextlib.suppress(Exception):  # a model without the choice keeps its own experts
+            hf.set_experts_implementation("eager")
 
 
 def materialize_part(model: nn.Module, source: WeightSource, device: torch.device, what: str,
@@ -214,6 +233,7 @@ def _build_whole(tc: TrainConfig, shape: ModelShape, device: torch.device) -> nn
             )
     else:
         hf = transformers.AutoModelForCausalLM.from_config(config)
+    fp64_experts(tc, hf)
     return HFCausalLM(hf.float()).to(device)
 
 

@@ -63,6 +63,8 @@ class Dist:
     dp_shard: int = 1
     #: FSDP2: the mesh's dp_replicate and dp_shard dims flattened (every data-parallel rank)
     dp_mesh: Any = None
+    #: expert parallelism: the experts sharded over the dp ranks (``parallel.ep``; equal to dp)
+    ep: int = 1
 
     @property
     def dp_rank(self) -> int:
@@ -159,7 +161,7 @@ def setup_distributed(tc: TrainConfig) -> Dist:
         mesh = build_mesh(device, par.dp, par.tp, par.pp, par.dp_shard)
     dp_mesh = compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if mesh is not None and par.dp_shard > 1 else None
     return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
-                dp_shard=par.dp_shard, dp_mesh=dp_mesh)
+                dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep)
 
 
 def attempt() -> int:
@@ -198,6 +200,9 @@ def is_dtensor(t: Any) -> bool:
 
 def global_numel(p: torch.Tensor, dev: Dist) -> int:
     """Elements of the whole parameter, whether or not this rank holds only a TP shard."""
+    experts = getattr(p, "_boost_ep", None)
+    if experts is not None:  # this rank's experts of the layer's
+        return p.numel() // experts.local * experts.total
     spec = getattr(p, "_boost_tp", None)
     if spec is not None and spec.dim is not None:  # a TP shard (under FSDP2 a DTensor whose whole is the shard)
         if spec.size is not None:  # a padded vocabulary: count the real rows only
@@ -217,6 +222,21 @@ def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Ten
         raise ConfigError("tensor parallelism is not available in this build (no boost_compile.parallelize_)")
     report = boost_compile.parallelize_(model, (example,), dev.mesh["tp"], plan=tc.parallel.plan)
     log.info("%s", report)
+
+
+def shard_experts(model: nn.Module, dev: Dist) -> None:
+    """``parallel.ep``: the model's experts sharded by expert over the dp ranks
+    (``boost_compile.expert_parallel_``); a model without experts modules of a known form is
+    refused in one line naming it."""
+    from boost_compile.distributed.expert_parallel import ExpertParallelError, expert_parallel_
+
+    try:
+        report = expert_parallel_(model, dev.group("dp"))
+    except ExpertParallelError as exc:
+        raise ConfigError(f"parallel.ep={dev.ep}: {exc}") from exc
+    log.info("parallel.ep=%d: %d experts layers sharded by expert, %d experts a layer on this rank (%s of %s expert "
+             "parameters)", dev.ep, len(report.layers), report.experts_per_rank, f"{report.local_numel:,}",
+             f"{report.total_numel:,}")
 
 
 def compile_model(model: nn.Module, tc: TrainConfig, *, dynamic: bool | None = None,
@@ -289,6 +309,11 @@ def wrap_data_parallel(module: nn.Module, model: nn.Module, dev: Dist, bucket_mb
         from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 
         _pre_dp_module_transform(model)
+    from boost_compile.distributed.expert_parallel import is_expert_parameter
+
+    ignored = [name for name, p in module.named_parameters() if is_expert_parameter(p)]
+    if ignored:  # each rank's own experts: their gradients are already the mean (expert_parallel.py)
+        DDP._set_params_and_buffers_to_ignore_for_model(module, ignored)
     return DDP(
         module,
         process_group=dev.group("dp"),
@@ -360,11 +385,16 @@ def build_model_parts(
     ``recorder``: see :func:`compile_model`.
     """
     source = None
-    if (dev.dp_shard > 1 or dev.tp > 1) and defers_init(tc):
+    if (dev.dp_shard > 1 or dev.tp > 1 or dev.ep > 1) and defers_init(tc):
         # on meta: each rank materialises its TP shards, or once sharded its FSDP2 shards of them
         model, source = build_on_meta(tc, shape, dev.device)
     else:
         model = build_model(tc, shape, dev.device)
+    if dev.ep > 1:
+        shard_experts(model, dev)
+        if source is not None:
+            materialize_part(model, source, dev.device, "its experts and the replicated weights")
+            source = None
     if dev.tp > 1:
         if example is None:
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")

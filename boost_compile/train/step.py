@@ -33,18 +33,20 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
 def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
     """Clip to the global gradient norm; returns it (before clipping).
 
-    With tp, the shards of a parameter count once (their squared norms are summed
+    With ep, each rank's experts' squared norms are summed over the dp group. With tp, the
+    shards of a parameter count once (their squared norms are summed
     over the tp group, a replicated parameter's are not; under FSDP2 each TP shard's squared norm is
     first summed over its dp_shard slices); with pp, every stage's
     squared norm is summed over the pp group, so every stage clips with the whole
     model's norm.
     """
     params = [p for p in model.parameters() if p.grad is not None]
-    if dev.tp == 1 and dev.pp == 1:  # under FSDP2 the gradients are DTensor shards: torch sums their squares
+    if dev.tp == 1 and dev.pp == 1 and dev.ep == 1:  # under FSDP2 the gradients are DTensor shards: torch sums their squares
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(total.full_tensor() if is_dtensor(total) else total)
     sharded = torch.zeros((), device=dev.device, dtype=torch.float32)
     whole = torch.zeros((), device=dev.device, dtype=torch.float32)
+    experts = torch.zeros((), device=dev.device, dtype=torch.float32)
     for p in params:
         g = p.grad
         spec = getattr(p, "_boost_tp", None)
@@ -52,13 +54,17 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
             sq = torch.linalg.vector_norm(g.detach().float()).full_tensor() ** 2
         else:
             sq = g.detach().float().pow(2).sum()
-        if spec is not None and spec.dim is not None:
+        if getattr(p, "_boost_ep", None) is not None:
+            experts += sq
+        elif spec is not None and spec.dim is not None:
             sharded += sq
         else:
             whole += sq
     if dev.tp > 1:
         dist.all_reduce(sharded, group=dev.group("tp"))
-    total = dev.sum_over_pp(sharded + whole).sqrt()
+    if dev.ep > 1:  # each dp rank its own experts
+        dist.all_reduce(experts, group=dev.group("dp"))
+    total = dev.sum_over_pp(sharded + whole + experts).sqrt()
     coef = max_norm / (float(total) + 1e-6)
     if max_norm > 0 and coef < 1.0:
         for p in params:

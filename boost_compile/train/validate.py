@@ -499,6 +499,25 @@ def check_fsdp(tc: TrainConfig) -> None:
     # trainer.memory_report runs here with the blocks compiled one by one (train/parallel.py compiles_per_block)
 
 
+def check_ep(tc: TrainConfig) -> None:
+    """``parallel.ep > 1``: the experts sharded over the DDP ranks, and what it composes with yet."""
+    par = tc.parallel
+    _positive("parallel.ep", par.ep)
+    if par.ep == 1:
+        return
+    others = [f"{name}={getattr(par, name)}" for name in ("tp", "pp", "dp_shard") if getattr(par, name) > 1]
+    others += ["zero=1"] if par.zero else []
+    if others:
+        raise ConfigError(f"parallel.ep={par.ep} shards the experts over the DDP ranks alone for now: not with "
+                          f"parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
+    if par.dp != par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} borrows the data-parallel ranks and needs as many: set parallel.dp={par.ep} "
+                          f"(got parallel.dp={par.dp})")
+    if tc.model.hf_path is None and tc.model.hf_config is None:
+        raise ConfigError(f"parallel.ep={par.ep} shards mixture-of-experts layers, and preset {tc.model.preset!r} has none; "
+                          "use a Hugging Face MoE (model=hf with hf_path, or hf_config with a model_type such as qwen3_moe)")
+
+
 def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
     """Check every group; raise :class:`ConfigError` with a message naming the fix.
 
@@ -541,6 +560,7 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
                 "gradient accumulation are equal"
             )
     check_fsdp(tc)
+    check_ep(tc)
 
     # model, factorize, passes
     shape = model_shape(tc.model, tr.seq)
