@@ -36,6 +36,7 @@ the EP group.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +161,11 @@ class ExpertParallel:
             return self._dense(hidden)
         return self._routed(hidden, top_k_index, top_k_weights)
 
+    @torch.compiler.disable
     def _routed(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Run eagerly under ``torch.compile``: the splits are counts read on the host, which would
+        make every step's shapes a new graph; the graph breaks here, as transformers' own eager
+        experts loop breaks it."""
         s, group = self._ep_shard, self._ep_group
         k = index.shape[-1]
         flat = index.reshape(-1)
@@ -206,6 +211,13 @@ class ExpertParallel:
         return _a2a(out, split, split, self._ep_group)
 
 
+@functools.cache
+def _expert_parallel_class(cls: type) -> type:
+    """One class per experts class (every layer's module the same type: ``torch.compile`` guards on
+    it, and a class per module would compile each layer anew)."""
+    return type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+
+
 def shard_experts(experts: nn.Module, pattern: str, group: dist.ProcessGroup, fqn: str = "") -> ExpertShard:
     """Keep this rank's experts of ``experts`` and make it dispatch tokens over ``group``, in place."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -221,8 +233,7 @@ def shard_experts(experts: nn.Module, pattern: str, group: dist.ProcessGroup, fq
             setattr(experts, name, kept)
     on = torch.device("cpu") if any(p.is_meta for p in experts.parameters()) else next(experts.parameters()).device
     experts.register_buffer("tokens_per_expert", torch.zeros(total, dtype=torch.long, device=on), persistent=False)
-    cls = type(experts)
-    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {})
+    experts.__class__ = _expert_parallel_class(type(experts))
     experts.num_experts = local
     experts._ep_shard, experts._ep_pattern, experts._ep_group = shard, pattern, group
     return shard
