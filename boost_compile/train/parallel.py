@@ -390,17 +390,17 @@ def build_model_parts(
         model, source = build_on_meta(tc, shape, dev.device)
     else:
         model = build_model(tc, shape, dev.device)
-    if dev.ep > 1:
-        shard_experts(model, dev)
-        if source is not None:
-            materialize_part(model, source, dev.device, "its experts and the replicated weights")
-            source = None
     if dev.tp > 1:
         if example is None:
             raise ValueError("build_model_parts: tensor parallelism needs an example batch to trace")
-        parallelize(model, tc, dev, example)
-        if source is not None and dev.dp_shard == 1:
+        parallelize(model, tc, dev, example)  # before the experts are cut: it captures the model whole
+        if source is not None and dev.dp_shard == 1 and dev.ep == 1:
             materialize_part(model, source, dev.device, "its TP shards")
+            source = None
+    if dev.ep > 1:
+        shard_experts(model, dev)
+        if source is not None:
+            materialize_part(model, source, dev.device, "its experts, TP shards and replicated weights")
             source = None
     cast_weights(model, tc.trainer.precision)
     if dev.dp_shard > 1:  # FSDP2: the parameters are final once sharded, after the blocks are compiled

@@ -500,15 +500,16 @@ def check_fsdp(tc: TrainConfig) -> None:
 
 
 def check_ep(tc: TrainConfig) -> None:
-    """``parallel.ep > 1``: the experts sharded over the DDP ranks, and what it composes with yet."""
+    """``parallel.ep > 1``: the experts sharded over the DDP ranks (and TP on the rest), and what it
+    composes with yet."""
     par = tc.parallel
     _positive("parallel.ep", par.ep)
     if par.ep == 1:
         return
-    others = [f"{name}={getattr(par, name)}" for name in ("tp", "pp", "dp_shard") if getattr(par, name) > 1]
+    others = [f"{name}={getattr(par, name)}" for name in ("pp", "dp_shard") if getattr(par, name) > 1]
     others += ["zero=1"] if par.zero else []
     if others:
-        raise ConfigError(f"parallel.ep={par.ep} shards the experts over the DDP ranks alone for now: not with "
+        raise ConfigError(f"parallel.ep={par.ep} shards the experts over the DDP ranks (with tp or not) for now: not with "
                           f"parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
     if par.dp != par.ep:
         raise ConfigError(f"parallel.ep={par.ep} borrows the data-parallel ranks and needs as many: set parallel.dp={par.ep} "

@@ -6,6 +6,7 @@ its experts sharded over 2 DDP ranks, against one process (torchrun on 127.0.0.1
   (its state bytes say so) and metrics.jsonl carries the tokens per expert of the whole batch;
 - its checkpoint (each rank's experts saved as shards of the whole) resumes in one process, and
   (extended) under EP4, with the references' later losses;
+- (extended) EP2 x TP2 (megatron) trains like one process, and its checkpoint resumes in one;
 - configs EP cannot run yet are refused in one line.
 """
 
@@ -66,8 +67,20 @@ def test_ep2_checkpoint_resumes_under_ep4(ep2, references, tmp_path):
     assert_train_parity(resumed, references, "EP2 -> EP4 (compiled)", first=2)
 
 
+@pytest.mark.extended
+def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(references, tmp_path):
+    """4 processes: megatron over tp, the experts over dp (each TP pair the same experts), compiled
+    by boost; its checkpoint (TP shards and expert shards) resumes in one process."""
+    out = tmp_path / "run"
+    summary = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], out)
+    assert_train_parity(summary, references, "EP2 x TP2")
+    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, references, "EP2 x TP2 -> one process", first=2)
+
+
 @pytest.mark.parametrize(("overrides", "words"), [
-    (("parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), "not with parallel.tp=2"),
+    (("parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=2"), "not with parallel.dp_shard=2"),
     (("parallel.dp=4", "parallel.ep=2"), "set parallel.dp=2"),
     (("model=tiny", "parallel.dp=2", "parallel.ep=2"), "has none"),
 ])
