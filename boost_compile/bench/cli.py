@@ -1,6 +1,6 @@
 """``boost-bench``: side-by-side benchmarks and the report that collects them.
 
-    boost-bench single | tp | pp | memory | scale | plan [options]  one benchmark: prints its table,
+    boost-bench single | tp | pp | ep | memory | scale | plan [options]  one benchmark: prints its table,
                                                                writes <out>/<name>.json and .png
     boost-bench scale --hardware cpu                           the scale model beside tp's and pp's
                                                                steps: <out>/scale-cpu.json and .png
@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from boost_compile.bench import calibrate, memory, plan, pp, report, scale, single, tp
+from boost_compile.bench import calibrate, ep, memory, plan, pp, report, scale, single, tp
 from boost_compile.bench.results import Result, save, stamp
 from boost_compile.costmodel.formulas import analytic_table
 
@@ -34,6 +34,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Call
     "pp": ("CoLA on two CPU processes: 1 process / TP2 btp / PP2 (1F1B) / DP2", pp.add_arguments, pp.run, pp.chart),
     "memory": ("activation checkpointing: none / lowrank / full / budget", memory.add_arguments, memory.run, memory.chart),
     "scale": ("analytic model of GPU clusters beside BOOST.md's published figures", scale.add_arguments, scale.run_result, scale.chart),
+    "ep": ("a mixture of experts on two CPU processes: EP2 / TP2 (experts whole) / FSDP2 2 (experts gathered)",
+           ep.add_arguments, ep.run, ep.chart),
     "plan": ("the layout planner's memory and time beside 18 layouts run here (about 20 minutes; --only fsdp: "
              "the 6 FSDP2 ones, about 5)", plan.add_arguments, plan.run,
              plan.chart),
