@@ -63,7 +63,8 @@ zoo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo --inner inductor --only $(ZOO_INDUCTOR) --out benchmarks/zoo --stem zoo-inductor
 
 # the zoo under distributed layouts on gloo ranks of this machine: tp2-megatron, tp2-btp (factorized), fsdp2
-# (data parallel) and tp2xfsdp2 (a sample), 3 SGD steps each against eager and float64 (zoo-layouts.md)
+# (data parallel), tp2xfsdp2 (a sample) and ep2 (mixtures of experts), 3 SGD steps each against eager and
+# float64 (zoo-layouts.md)
 zoo-layouts: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m boost_compile.bench.zoo_layouts --out benchmarks/zoo
 
