@@ -359,6 +359,14 @@ def functional_collectives() -> Any:
     return torch.ops._c10d_functional
 
 
+def all_to_all_single_autograd(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+    """The all-to-all of uneven splits whose backward sends the gradients back
+    (``torch.distributed._functional_collectives``)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
+
+    return a2a(x, out_splits, in_splits, group)
+
+
 #: ``torch._check``: a condition that fake tensors and the compiler understand.
 check = torch._check
 

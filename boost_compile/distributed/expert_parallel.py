@@ -141,9 +141,9 @@ def _experts_mean(forward: Any, ep: int, rows: torch.Tensor, *args: Any) -> torc
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from boost_compile import _torch_compat as compat
 
-    return all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
+    return compat.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
 
 
 class ExpertParallel:

@@ -51,6 +51,7 @@ NEEDS_MORE = {
     ("data", "tokens"): "data.paths",
     ("data", "hf"): "datasets" if not __import__("importlib").util.find_spec("datasets") else "data.dataset",
     ("parallel", "tp4"): "kv-heads" if tp_available() else "not available",
+    ("parallel", "ep2"): "has none",  # the default preset has no experts (tests/distributed/test_train_ep.py runs it)
 }
 
 @pytest.mark.parametrize(("group", "option"), group_options(), ids=lambda v: v)
