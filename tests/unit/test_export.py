@@ -190,7 +190,7 @@ def test_export_streams_one_tensor_at_a_time_into_shards(tmp_path, monkeypatch, 
 @pytest.mark.parametrize(
     ("overrides", "model"),
     [(("model=tiny-dense", "factorize=svd25"), "model=tiny"), (("model=hf-tiny", "factorize=cola25"), "model=hf"),
-     (("model=hf-tiny",), "model=hf")],
+     pytest.param(("model=hf-tiny",), "model=hf", marks=pytest.mark.extended)],  # a plain HF folder, as before
     ids=["reference-svd25", "hf-lowrank", "hf"],
 )
 def test_an_export_starts_a_run_as_its_pretrained_weights(tmp_path, overrides, model):
