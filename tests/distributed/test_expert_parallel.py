@@ -29,6 +29,19 @@ MAIN = ("qwen3_moe", "gpt_oss", "llama4_text")
 EXTENDED = ("mixtral", "deepseek_v3")
 
 
+def _references(eager: torch.nn.Module, truth: torch.nn.Module, ids: torch.Tensor) -> tuple[dict, dict]:
+    """The whole batch in one process: eager fp32 and its float64 truth, each loss and gradient by name."""
+    from boost_compile.parity import Float64Program
+
+    out = []
+    for model, fp64 in ((eager, False), (truth, True)):
+        with Float64Program() if fp64 else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        out.append({**{n: p.grad for n, p in model.named_parameters()}, "loss": loss.detach()})
+    return out[0], out[1]
+
+
 def _worker(rank: int, world: int, port: int, types: list[str], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
@@ -39,7 +52,7 @@ def _worker(rank: int, world: int, port: int, types: list[str], out: str) -> Non
 
     from boost_compile.bench.zoo_models import tiny_config, zero_dropout
     from boost_compile.distributed.expert_parallel import expert_parallel_, is_expert_parameter
-    from boost_compile.parity import Float64Program, compare
+    from boost_compile.parity import compare
     from boost_compile.process_exit import exit_without_finalizing
 
     results = {}
@@ -71,13 +84,7 @@ def _worker(rank: int, world: int, port: int, types: list[str], out: str) -> Non
         tested["loss"] = loss.detach().clone()
         dist.all_reduce(tested["loss"])
         tested["loss"] /= world
-        eager_loss = eager(input_ids=ids, labels=ids).loss
-        eager_loss.backward()
-        with Float64Program():
-            truth_loss = truth(input_ids=ids, labels=ids).loss
-            truth_loss.backward()
-        e = {**{n: p.grad for n, p in eager.named_parameters()}, "loss": eager_loss.detach()}
-        t = {**{n: p.grad for n, p in truth.named_parameters()}, "loss": truth_loss.detach()}
+        e, t = _references(eager, truth, ids)
         planted = {**tested, **{n: tested[n] * world for n in experts}}
         results[model_type] = {
             "bad": [str(b) for b in compare(tested, e, t, torch.float32)],
@@ -162,7 +169,7 @@ def _tp_worker(rank: int, world: int, port: int, types: list[str], out: str) -> 
     from boost_compile.bench.zoo_models import tiny_config, zero_dropout
     from boost_compile.distributed.expert_parallel import expert_parallel_, is_expert_parameter
     from boost_compile.distributed.shard import full_tensor
-    from boost_compile.parity import Float64Program, compare
+    from boost_compile.parity import compare
     from boost_compile.process_exit import exit_without_finalizing
     from boost_compile.train.fsdp import tp_specs_by_name
 
@@ -199,13 +206,7 @@ def _tp_worker(rank: int, world: int, port: int, types: list[str], out: str) -> 
         tested["loss"] = loss.detach().clone()
         dist.all_reduce(tested["loss"], group=dp_group)
         tested["loss"] /= 2
-        eager_loss = eager(input_ids=ids, labels=ids).loss
-        eager_loss.backward()
-        with Float64Program():
-            truth_loss = truth(input_ids=ids, labels=ids).loss
-            truth_loss.backward()
-        e = {**{n: p.grad for n, p in eager.named_parameters()}, "loss": eager_loss.detach()}
-        t = {**{n: p.grad for n, p in truth.named_parameters()}, "loss": truth_loss.detach()}
+        e, t = _references(eager, truth, ids)
         results[model_type] = {"bad": [str(b) for b in compare(tested, e, t, torch.float32)],
                                "tp": len(specs), "experts": sum(is_expert_parameter(p) for p in model.parameters())}
     if rank == 0:
