@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from boost_compile.models.lowrank import LaxLinear, LowRankLinear, break_even_rank
+from boost_compile.models.moe import Experts, MoE, experts_params
 
 PROJECTIONS = ("dense", "lowrank", "cola", "lax")
 #: ``norm``: Llama's RMSNorm, or LayerNorm with a bias (GPT-2, OPT and their kin)
@@ -61,6 +62,8 @@ TINY = {
     "rank_attn": 16,
     "rank_mlp": 16,
 }
+#: TINY's mixture-of-experts form: every block's MLP four experts of half the width, two per token
+TINY_MOE = {"n_experts": 4, "experts_top_k": 2, "expert_ffn_dim": 88}
 
 
 def _preset_table() -> dict[str, dict]:
@@ -70,6 +73,8 @@ def _preset_table() -> dict[str, dict]:
         "tiny-dense": {**TINY, "projection": "dense", "rank_attn": None, "rank_mlp": None},
         "tiny-lowrank": {**TINY, "projection": "lowrank"},
         "tiny-lax": {**TINY, "projection": "lax"},
+        "tiny-moe": {**TINY, **TINY_MOE, "projection": "cola"},
+        "tiny-moe-dense": {**TINY, **TINY_MOE, "projection": "dense", "rank_attn": None, "rank_mlp": None},
     }
     for size, (dim, layers, heads, ffn, rank, seq) in PAPER_SHAPES.items():
         for family, projection in FAMILIES.items():
@@ -87,6 +92,10 @@ def _preset_table() -> dict[str, dict]:
                 "rank_mlp": None if dense else rank,
             }
     return table
+
+
+#: the MLP's projections (under ``n_experts`` each expert's matrices)
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 def block_projections(
@@ -111,6 +120,11 @@ class LlamaConfig:
     ``rank_attn`` / ``rank_mlp`` are the bottleneck ranks of the attention and
     MLP projections; they default to ``dim // 4`` for the low-rank kinds and are
     ignored when ``projection == "dense"``.
+
+    ``n_experts`` > 0 makes every block's MLP a mixture of experts (:class:`~boost_compile.models.moe.MoE`):
+    a router and ``n_experts`` SwiGLU experts of width ``expert_ffn_dim`` (default ``ffn_dim``),
+    ``experts_top_k`` of them per token, each expert's matrices of the model's projection kind
+    (dense, or bottlenecks of rank ``rank_mlp``; LaX's crossing latents have no expert form).
     """
 
     vocab_size: int
@@ -128,6 +142,9 @@ class LlamaConfig:
     rank_mlp: int | None = None
     bias: bool = False
     norm: str = "rmsnorm"
+    n_experts: int = 0
+    experts_top_k: int = 2
+    expert_ffn_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -158,6 +175,7 @@ class LlamaConfig:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
         if self.norm not in NORMS:
             raise ValueError(f"unknown norm {self.norm!r}; valid choices: {', '.join(NORMS)}")
+        self._check_experts()
         if self.projection == "dense":
             return
         if self.rank_attn is None:
@@ -176,6 +194,26 @@ class LlamaConfig:
                     f"({d_in} -> {d_out}); a factorisation that large saves nothing"
                 )
 
+    def _check_experts(self) -> None:
+        if not isinstance(self.n_experts, int) or self.n_experts < 0:
+            raise ValueError(f"n_experts must be a non-negative integer (0: dense MLPs), got {self.n_experts!r}")
+        if not self.n_experts:
+            return
+        if self.projection == "lax":
+            raise ValueError("n_experts: a LaX model's MLP latents cross between blocks, which experts cannot; "
+                             "use projection cola, lowrank or dense")
+        if not isinstance(self.experts_top_k, int) or not 1 <= self.experts_top_k <= self.n_experts:
+            raise ValueError(f"experts_top_k must be between 1 and n_experts ({self.n_experts}), got {self.experts_top_k!r}")
+        if self.expert_ffn_dim is None:
+            self.expert_ffn_dim = self.ffn_dim
+        if not isinstance(self.expert_ffn_dim, int) or self.expert_ffn_dim < 1:
+            raise ValueError(f"expert_ffn_dim must be a positive integer, got {self.expert_ffn_dim!r}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether every block's MLP is a mixture of experts."""
+        return self.n_experts > 0
+
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
@@ -187,16 +225,22 @@ class LlamaConfig:
     def projection_shapes(self) -> dict[str, tuple[int, int, int | None]]:
         """Per-block projection name -> (d_in, d_out, rank); rank is None when dense."""
         dense = self.projection == "dense"
-        return block_projections(self.dim, self.kv_dim, self.ffn_dim, None if dense else self.rank_attn,
+        ffn = self.expert_ffn_dim if self.moe else self.ffn_dim
+        return block_projections(self.dim, self.kv_dim, ffn, None if dense else self.rank_attn,
                                  None if dense else self.rank_mlp)
 
     def num_params(self) -> int:
         """Parameter count computed from the shapes alone (matches ``Llama.num_params``)."""
         norm = self.dim * (2 if self.norm == "layernorm" else 1)  # weight (and bias) of one norm
         block = 2 * norm  # attention_norm and ffn_norm
-        for d_in, d_out, rank in self.projection_shapes().values():
+        for name, (d_in, d_out, rank) in self.projection_shapes().items():
+            if self.moe and name in MLP_PROJECTIONS:
+                continue
             block += d_in * d_out if rank is None else rank * (d_in + d_out)
             block += d_out if self.bias else 0
+        if self.moe:  # the router and the stacked experts (no biases)
+            rank = None if self.projection == "dense" else self.rank_mlp
+            block += self.n_experts * self.dim + experts_params(self.n_experts, self.dim, self.expert_ffn_dim, rank)
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return embed + self.n_layers * block + norm + head
@@ -340,6 +384,17 @@ def make_norm(config: LlamaConfig) -> nn.Module:
     return nn.RMSNorm(config.dim, eps=config.norm_eps)
 
 
+def make_mlp(config: LlamaConfig) -> nn.Module:
+    """The block's feed-forward: the SwiGLU MLP, or with ``n_experts`` a mixture of such experts."""
+    if not config.moe:
+        return MLP(config)
+    rank = None if config.projection == "dense" else config.rank_mlp
+    activation = "silu" if config.projection == "cola" else None
+    if config.bias:
+        raise ValueError("n_experts: the experts have no biases; use bias=False")
+    return MoE(config.dim, config.expert_ffn_dim, config.n_experts, config.experts_top_k, rank, activation)
+
+
 class Block(nn.Module):
     """Pre-norm decoder block: attention then MLP, each with a residual."""
 
@@ -348,7 +403,7 @@ class Block(nn.Module):
         self.attention_norm = make_norm(config)
         self.attention = Attention(config)
         self.ffn_norm = make_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config)
         self.crossing = config.projection == "lax"
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
@@ -362,7 +417,8 @@ class Block(nn.Module):
             )
         own: Latents | None = None if latents is None else {}
         h = x + self.attention(self.attention_norm(x), cos, sin, latents, own)
-        out = h + self.mlp(self.ffn_norm(h), latents, own)
+        ffn_in = self.ffn_norm(h)
+        out = h + (self.mlp(ffn_in) if own is None else self.mlp(ffn_in, latents, own))
         return out if own is None else (out, own)
 
 
@@ -386,7 +442,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Embeddings and dense linears N(0, 0.02), bottlenecks CoLA init, norms ones.
+        """Embeddings and dense linears N(0, 0.02), bottlenecks CoLA init, norms ones, experts as
+        :meth:`Experts.reset_parameters`.
 
         Also recomputes the RoPE tables, so a model built on ``meta`` and moved
         with ``to_empty`` becomes usable after calling this.
@@ -403,6 +460,8 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            elif isinstance(module, Experts):
+                module.reset_parameters()
             elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
