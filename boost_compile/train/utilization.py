@@ -23,15 +23,26 @@ log = logging.getLogger("boost_compile.train")
 PRECISION_DTYPES = {"fp32": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "fp64": "fp64"}
 
 
-def matmul_weights(model: nn.Module, dev: Dist | None = None) -> int:
+def matmul_weights(model: nn.Module, dev: Dist | None = None, experts_top_k: int | None = None) -> int:
     """Weights of the matmuls a token goes through: every ``nn.Linear`` (each low-rank factor is
     one; the output head too, tied or not) and Hugging Face ``Conv1D``, counted whole when this
-    rank holds a tensor-parallel shard, and summed over the pipeline ranks' stages."""
+    rank holds a tensor-parallel shard, and summed over the pipeline ranks' stages; of a mixture of
+    experts' stacked matrices, the ``experts_top_k`` experts a token goes through (every expert,
+    sharded by expert parallelism or not, counted once)."""
+    from boost_compile.distributed.expert_parallel import experts_pattern
+
+    def numel(p: torch.Tensor) -> int:
+        return global_numel(p, dev) if dev is not None else p.numel()
 
     total = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            total += global_numel(module.weight, dev) if dev is not None else module.weight.numel()
+            total += numel(module.weight)
+        elif experts_top_k and experts_pattern(module):
+            shard = getattr(module, "_ep_shard", None)  # sharded by expert: numel counts the whole
+            experts = shard.total if shard is not None else module.num_experts
+            stacked = sum(numel(p) for p in module.parameters(recurse=False) if p.dim() == 3)
+            total += stacked * experts_top_k // experts
     if dev is not None and dev.pp > 1:
         return int(dev.sum_over_pp(torch.tensor(float(total), dtype=torch.float64, device=dev.device)).item())
     return total
@@ -51,7 +62,14 @@ def flops_per_token(model: nn.Module, shape: ModelShape, seq: int, dev: Dist | N
     """Model FLOPs of training on one token of ``model`` at sequence length ``seq`` (causal attention):
     :func:`~boost_compile.costmodel.flops.model_flops_per_token` of its live linears."""
     layers, width = attention_shape(shape)
-    return model_flops_per_token(matmul_weights(model, dev), layers, width, seq)
+    return model_flops_per_token(matmul_weights(model, dev, experts_top_k(shape)), layers, width, seq)
+
+
+def experts_top_k(shape: ModelShape) -> int | None:
+    """The experts each token goes through in a mixture-of-experts model (None: no experts)."""
+    if shape.kind == "preset":
+        return shape.llama_config.experts_top_k if shape.llama_config.n_experts else None
+    return getattr(shape.hf_config, "num_experts_per_tok", None)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,20 @@ def test_flops_per_token_is_the_hand_count(preset, rank):
     assert flops_per_token(model, shape, 2 * SEQ) > flops_per_token(model, shape, SEQ)  # attention grows with seq
 
 
+@pytest.mark.parametrize(("preset", "rank"), [("tiny-moe-dense", None), ("tiny-moe", 16)])
+def test_a_mixture_of_experts_counts_the_experts_a_token_goes_through(preset, rank):
+    """tiny-moe: each block's router (64 -> 4) and 2 of its 4 experts (gate, up 64 -> 88, down 88 -> 64)."""
+    model, shape = meta_model(preset)
+    dense_attention = hand_count(64, 2, 4, 2, 176, 256, SEQ, rank) - 6 * 2 * _mlp_weights(64, 176, rank)
+    expert = _mlp_weights(64, 88, rank)
+    expected = dense_attention + 6 * 2 * (64 * 4 + 2 * expert)
+    assert flops_per_token(model, shape, SEQ) == pytest.approx(expected, rel=1e-12)
+
+
+def _mlp_weights(dim: int, ffn: int, rank: int | None) -> int:
+    return sum(d_in * d_out if rank is None else rank * (d_in + d_out) for d_in, d_out in ((dim, ffn), (dim, ffn), (ffn, dim)))
+
+
 @pytest.mark.parametrize(("preset", "system"), [("llama-60m", "full-rank"), ("cola-60m", "btp"),
                                                 ("cola-60m", "vanilla"), ("lowrank-60m", "btp"), ("lax-60m", "btp")])
 def test_live_model_agrees_with_the_scale_model(preset, system):
