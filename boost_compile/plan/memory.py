@@ -72,6 +72,20 @@ the stage once after the last, so at the backward's peak:
 The stage's reduce-scatters after its last backward are a phase of their own (``"reduce"``):
 the FSDP2 terms, the sharded gradients being made and one unit's gradient copy (the largest),
 the activations freed.
+
+Mixtures of experts: the experts (role ``"expert"``) are whole on every TP rank; expert
+parallelism (``ep > 1``, boost-train's ``parallel.ep``, over the dp ranks) leaves each rank
+``n_experts / ep`` of them, so that their ``params``, ``grads`` and ``optimizer`` are divided by
+ep, and DDP's buckets hold the other gradients only (the experts' are not all-reduced). An MoE
+block saves, per token, what a dense block saves less its MLP's three d_ff tensors, plus
+(:func:`moe_saved_elements`) the router's logits and probabilities (2 n_experts), the routed rows
+into and out of the experts (2 top_k d; under EP also the rows each all-to-all received, 2 top_k d),
+the experts' hidden SwiGLU tensors per routed row (3 expert_ffn, and 3 r before and after the
+activation when the experts are low-rank), and the shared experts' three hidden tensors (split by
+TP). Under EP the busiest rank receives ``imbalance`` times the mean routed rows (a Job's
+``moe_imbalance``). With checkpointing a block compiled whole recomputes its experts; under EP the
+dispatch and the experts run eagerly between graphs (boost-train's dispatch is not compiled), so
+what they save is kept whatever the mode.
 """
 
 from __future__ import annotations
@@ -79,7 +93,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from boost_compile.plan.model import ModelSpec, Tensor, fsdp_units, local_numel, stage_blocks
+from boost_compile.plan.model import MOE_IMBALANCE, ModelSpec, Tensor, expert_share, fsdp_units, local_numel, stage_blocks
 
 GIB = 2**30
 
@@ -162,12 +176,14 @@ def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -
     latent = 7 * r / p if plan == "vanilla" else 7 * r
     activation = 1 if spec.projection == "lowrank" else 2
     online = plan == "btp" and p > 1 and not spec.dense  # online norms: grouped outputs rescaled by the global rms
+    attn, attn_whole = attention_saved_widths(spec)
     if checkpoint == "none":
         rescaled = 5 * r if online else 0  # the all-reduced q/k/v and gate/up down outputs before their rescale
-        return 4 * stream + (4 * d + heads) * head_w + activation * latent + 3 * ff_w + stats + rescaled
+        return 4 * stream + (attn + heads) * head_w + attn_whole + activation * latent + 3 * ff_w + stats + rescaled
     if checkpoint == "lowrank":
         if spec.dense:
-            return 2 * stream + (d + 2 * kv) * head_w
+            qkv = spec.n_heads * spec.head_dim + 2 * kv if spec.mla is None else attn - spec.n_heads * spec.mla.v_head_dim
+            return 2 * stream + qkv * head_w
         if plan == "vanilla" and p > 1:  # the all-reduced outputs the recompute reads: q, k, v, gate, up
             return latent + 2 * d + d + 2 * kv + 2 * ff
         return latent + 2 * stream + (stats if online else 0)  # btp: the norms' global statistics
@@ -180,6 +196,32 @@ def block_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str) -
             return 2 * d  # the block's input and the attention's all-reduced output
         return d + d + 2 * kv + 2 * ff  # vanilla: q, k, v, gate, up after their all-reduces
     raise ValueError(f"the memory model knows checkpoint none, lowrank and full, not {checkpoint!r}")
+
+
+def moe_saved_elements(spec: ModelSpec, plan: str, tp: int, checkpoint: str, ep: int = 1,
+                       imbalance: float = MOE_IMBALANCE) -> float:
+    """Elements an MoE block saves per token beyond :func:`block_saved_elements` (which counts a dense
+    MLP's three d_ff tensors, taken off here), on one TP rank (see the module's docstring)."""
+    split = tp if plan in ("btp", "megatron") else 1
+    rows = spec.top_k * (imbalance if ep > 1 else 1.0)  # routed rows per token on the busiest rank
+    activation = 1 if spec.projection == "lowrank" else 2
+    hidden = (3 * spec.expert_width + activation * 3 * (spec.expert_rank or 0)) * rows
+    routed = 2 * spec.dim * rows * (2 if ep > 1 else 1)  # rows in and out (and the all-to-alls' received)
+    if checkpoint != "none":
+        return routed + hidden if ep > 1 else 0.0  # eager under EP: kept whatever the mode
+    return 2 * spec.n_experts + routed + hidden + 3 * spec.shared_ffn_dim / split - 3 * spec.ffn_dim / split
+
+
+def attention_saved_widths(spec: ModelSpec) -> tuple[float, float]:
+    """Attention's saved widths per token: (split by heads under TP, whole). q, k, v (k and v repeated
+    to every head) and the output, 4 d for a Llama block; MLA's q and k of qk_head_dim and v and
+    output of v_head_dim per head, and its latents (q's, kv's with the rope key) before and after
+    their norms, whole."""
+    mla = spec.mla
+    if mla is None:
+        return 4 * spec.n_heads * spec.head_dim, 0.0
+    latents = 2 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank + mla.qk_rope_head_dim)
+    return 2 * spec.n_heads * (mla.qk_head_dim + mla.v_head_dim), float(latents)
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, stage: int = 0, stages_per_rank: int = 1) -> float:
@@ -268,7 +310,7 @@ SVD_COPIES = 3
 
 def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int, precision: str = "fp32",
                  stages_per_rank: int = 1, on_meta: bool = True, vocab_parallel: bool = True,
-                 svd_elements: int = 0) -> int:
+                 svd_elements: int = 0, ep: int = 1) -> int:
     """Peak bytes per rank while boost-train builds, shards and casts the model, before the first step
     (the busiest pipeline rank's).
 
@@ -283,7 +325,7 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
     prec = PRECISIONS[precision]
     tensors = spec.tensors()
     stages = _stage_blocks(spec, pp * stages_per_rank)
-    busiest = max(sum(_rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard)[0])
+    busiest = max(sum(_rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard, ep)[0])
                   for rank in range(pp))
     if on_meta:
         largest = max(t.numel for t in tensors)
@@ -297,10 +339,11 @@ def start_memory(spec: ModelSpec, plan: str, *, tp: int, pp: int, dp_shard: int,
 
 
 @functools.lru_cache(maxsize=256)
-def _local_numels(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tuple[int, ...]:
-    """Each tensor's local elements on one TP rank, in :meth:`ModelSpec.tensors`' order (the search
-    prices thousands of layouts of one spec)."""
-    return tuple(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in spec.tensors())
+def _local_numels(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool, ep: int = 1) -> tuple[int, ...]:
+    """Each tensor's local elements on one TP (and EP) rank, in :meth:`ModelSpec.tensors`' order (the
+    search prices thousands of layouts of one spec)."""
+    return tuple(expert_share(local_numel(t, plan, tp, vocab_parallel=vocab_parallel), ep) if t.role == "expert"
+                 else local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in spec.tensors())
 
 
 @functools.lru_cache(maxsize=256)
@@ -313,14 +356,15 @@ def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tu
 
 
 def _rank_share(spec: ModelSpec, tensors: tuple[Tensor, ...], plan: str, tp: int, vocab_parallel: bool,
-                stages: tuple[range, ...], pp: int, rank: int, dp_shard: int) -> tuple[list[int], set[int], bool, bool]:
+                stages: tuple[range, ...], pp: int, rank: int, dp_shard: int, ep: int = 1) -> tuple[list[int], set[int], bool, bool]:
     """Pipeline rank ``rank``'s tensors (it holds stages rank, rank + pp, ...): each one's local elements
-    (its FSDP2 slice when ``dp_shard > 1``), its blocks, and whether it holds the first and the last stage.
+    (its FSDP2 slice when ``dp_shard > 1``, its experts' share under ``ep``), its blocks, and whether it
+    holds the first and the last stage.
     ``tensors``: ``spec.tensors()``, made once by the caller (the search prices thousands of layouts)."""
     mine = range(rank, len(stages), pp)
     blocks = {b for i in mine for b in stages[i]}
     first, last = 0 in mine, len(stages) - 1 in mine
-    numels = [k for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel), strict=True)
+    numels = [k for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel, ep), strict=True)
               if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
     if dp_shard > 1:
         numels = [fsdp_shard(k, dp_shard) for k in numels]
@@ -336,14 +380,15 @@ def memory(
     spec: ModelSpec, plan: str, *, tp: int, pp: int, dp: int, zero: int, microbatches: int, schedule: str,
     checkpoint: str, batch: int, seq: int, precision: str = "fp32", stages_per_rank: int = 1,
     vocab_parallel: bool = True, pp_rank: int | None = None, accumulating: bool = False,
-    dp_shard: int = 1, reshard_after_forward: bool = True,
+    dp_shard: int = 1, reshard_after_forward: bool = True, ep: int = 1, moe_imbalance: float = MOE_IMBALANCE,
 ) -> Memory:
     """Predicted bytes per device of one layout, for a global ``batch`` of ``seq``-token sequences.
 
     The busiest pipeline rank's (the highest peak), or ``pp_rank``'s. ``accumulating``: ``batch``
     is one micro-step of gradient accumulation, whose backward adds to gradients already live.
     ``dp_shard > 1``: FSDP2 over that many ranks in each of the ``dp`` replicas, each pipeline rank's
-    stages sharded on their own (see the module's docstring).
+    stages sharded on their own (see the module's docstring). ``ep > 1``: each rank holds
+    ``n_experts / ep`` experts of every MoE block, whose gradients DDP does not all-reduce.
     """
     prec = PRECISIONS[precision]
     stages = _stage_blocks(spec, pp * stages_per_rank)
@@ -353,13 +398,16 @@ def memory(
     tensors = spec.tensors()
     best: Memory | None = None
     for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
-        numels, blocks, first, last = _rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard)
+        numels, blocks, first, last = _rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard, ep)
         n = sum(numels)
+        experts = sum(expert_share(t.numel, ep) for t in tensors if t.role == "expert" and t.block in blocks) if ep > 1 else 0
         opt = 2 * (zero_share(numels, dp) if zero and dp > 1 and dp_shard == 1 else n)
         per_block = block_saved_elements(spec, plan, tp, checkpoint) * tokens * prec.activations
         per_block += RNG_STATE_BYTES if checkpoint != "none" else 0
         flight = in_flight(schedule, pp, m, rank, stages_per_rank)
-        saved_mb = per_block * len(blocks)
+        moe_blocks = sum(spec.moe_block(b) for b in blocks)
+        saved_mb = per_block * len(blocks) + moe_blocks * tokens * prec.activations * moe_saved_elements(
+            spec, plan, tp, checkpoint, ep, moe_imbalance)
         head_mb = loss_mb = head_temp = 0.0
         vocab = -(-spec.vocab_size // tp) if vocab_parallel else spec.vocab_size
         if last:
@@ -378,7 +426,7 @@ def memory(
             "params": n * prec.weights,
             "grads": n * prec.weights,
             "optimizer": opt * prec.optimizer,
-            "dp_buckets": n * prec.weights if dp > 1 and dp_shard == 1 else 0,
+            "dp_buckets": (n - experts) * prec.weights if dp > 1 and dp_shard == 1 else 0,
             "activations": int(activations),
             "head": int(head),
         }
@@ -390,6 +438,9 @@ def memory(
         recompute = 0.0
         if checkpoint != "none" and blocks:
             recompute = (block_saved_elements(spec, plan, tp, "none") * tokens * prec.activations - per_block)
+            if moe_blocks:  # an MoE block recomputes its experts' tensors, save what EP's eager dispatch kept
+                recompute += tokens * prec.activations * (moe_saved_elements(spec, plan, tp, "none", ep, moe_imbalance)
+                                                          - moe_saved_elements(spec, plan, tp, checkpoint, ep, moe_imbalance))
         # a pipeline accumulates every micro-batch's gradients into the stage's: they are live from the
         # first backward on, beside the micro-batches still in flight
         # (so do the micro-steps of gradient accumulation)
