@@ -2,13 +2,15 @@
 
     boost-plan --model cola-7b --devices 4 --batch 4 --seq 4096 --hardware a100-80gb-nvlink
     boost-plan --model path/to/config.json --devices 64 --per-node 8 --hardware h200 --json plan.json
+    boost-plan --model deepseek-v3-lite --devices 64 --per-node 8 --batch 256 --seq 4096 --hardware h100
 
-The model is a preset (``cola-60m``, or one the planner adds: ``cola-13b``), a boost-train
-model config (``hydra_conf/model/*.yaml`` by name or path) or a Hugging Face ``config.json``
-(or its folder). The table lists the best layouts that fit, each with its predicted step,
-tokens/s and memory per device by term (FSDP2's columns when a row shown has them); below
-it the launch command of each row. ``--json FILE`` writes every row, best first.
-``--no-fsdp`` leaves FSDP2 and HSDP layouts out.
+The model is a preset (``cola-60m``, or one the planner adds: ``cola-13b``, the DeepSeek-V3-shaped
+``deepseek-v3`` and ``deepseek-v3-lite``), a boost-train model config (``hydra_conf/model/*.yaml``
+by name or path) or a Hugging Face ``config.json`` (or its folder). The table lists the best
+layouts that fit, each with its predicted step, tokens/s and memory per device by term (FSDP2's
+columns, and ``ep``, when a row shown has them); below it the launch command of each row.
+``--json FILE`` writes every row, best first. ``--no-fsdp`` leaves FSDP2 and HSDP layouts out,
+``--no-ep`` expert parallelism; ``--moe-imbalance`` is the busiest EP rank's routed rows over the mean.
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ from pathlib import Path
 from boost_compile.costmodel.hardware import HARDWARE_FILES, load_hardware
 from boost_compile.export_folder import export_info
 from boost_compile.plan.memory import PRECISIONS
-from boost_compile.plan.model import SHAPE_PRESETS, ModelSpec, factorized, from_hf_config, from_preset, largest_block_tensor, preset_args
+from boost_compile.plan.model import (
+    HF_SHAPES,
+    MOE_IMBALANCE,
+    SHAPE_PRESETS,
+    ModelSpec,
+    factorized,
+    from_hf_config,
+    from_preset,
+    hf_shape_args,
+    largest_block_tensor,
+    preset_args,
+)
 from boost_compile.plan.search import CHECKPOINTS, USABLE, Job, PlanError, Row, best, search, usable_memory
 
 TERM_LABELS = {"params": "params", "grads": "grads", "optimizer": "optim", "dp_buckets": "ddp",
@@ -42,6 +55,10 @@ def load_model(model: str, *, vocab_size: int | None = None) -> tuple[ModelSpec,
         args = (f"model={model}" if named else f"model.preset={model}",) + (
             (f"+model.overrides.vocab_size={vocab_size}",) if vocab_size else ())
         return from_preset(model, **overrides), args
+    if model in HF_SHAPES:
+        spec = from_hf_config(HF_SHAPES[model], model)
+        vocab = (f"++model.hf_config.vocab_size={vocab_size}",) if vocab_size else ()
+        return (spec.with_vocab(vocab_size) if vocab_size else spec), hf_shape_args(model) + vocab
     if model in SHAPE_PRESETS:
         vocab = (f"+model.overrides.vocab_size={vocab_size}",) if vocab_size else ()
         return from_preset(model, **({"vocab_size": vocab_size} if vocab_size else {})), preset_args(model) + vocab
@@ -103,6 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="boost-train's model.init: the start priced built on meta, each rank its part (default), or "
                         "built whole on every rank (--rank: factorized on meta by SVD, one dense weight at a time)")
     p.add_argument("--no-fsdp", action="store_true", help="leave out FSDP2 and HSDP layouts (parallel.dp_shard > 1)")
+    p.add_argument("--no-ep", action="store_true", help="leave out expert parallelism (parallel.ep > 1) for a mixture of experts")
+    p.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE,
+                   help=f"a mixture of experts under EP: the busiest rank's routed rows over the mean (default {MOE_IMBALANCE})")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row, best first, as JSON")
 
@@ -124,8 +144,10 @@ def make_job(args: argparse.Namespace) -> Job:
         if getattr(args, name) < 1:
             raise SystemExit(f"boost-plan: --{name.replace('_', '-')} must be positive")
     on_meta = args.init == "per_parameter"
+    if args.moe_imbalance < 1:
+        raise SystemExit("boost-plan: --moe-imbalance is the busiest rank's rows over the mean: at least 1")
     return Job(spec, args.batch, args.seq, args.devices, args.per_node, hw, memory, precision, model_args, on_meta,
-               svd_elements)
+               svd_elements, moe_imbalance=args.moe_imbalance)
 
 
 def table(rows: Sequence[Row], job: Job, top: int) -> str:
@@ -136,10 +158,14 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
     terms = list(labels)
     # under 1 GiB per device (a memory cap on a toy model) the figures are in MiB: 0.00 GiB says nothing
     scale, unit = (1024, "MiB") if job.memory_bytes < 2**30 else (1, "GiB")
-    head = ["#", "layout", "step (s)", "tokens/s", f"memory ({unit})", *(labels[t] for t in terms), "start", "fits"]
+    show_ep = any(r.layout.ep > 1 for r in shown)
+    head = ["#", "layout", *(["ep"] if show_ep else []), "step (s)", "tokens/s", f"memory ({unit})",
+            *(labels[t] for t in terms), "start", "fits"]
+    spec = job.spec
+    experts = (f", {spec.n_experts} experts top-{spec.top_k} in {spec.moe_layers} blocks" if spec.moe else "")
     lines = [
         f"{job.spec.name} ({job.spec.num_params() / 1e6:,.1f}M params, {job.spec.kind}, d {job.spec.dim} x "
-        f"{job.spec.n_layers} layers, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
+        f"{job.spec.n_layers} layers{experts}, vocab {job.spec.vocab_size:,}) on {job.devices} x {job.hardware.name} "
         f"({job.per_node} per node, {job.memory_bytes / 2**30 * scale:.1f} {unit} usable each), batch {job.batch} x seq {job.seq}, "
         f"{job.precision}; {len(rows)} layouts, {sum(r.fits for r in rows)} fit",
         "",
@@ -147,7 +173,8 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
         "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|",
     ]
     for i, r in enumerate(shown, 1):
-        cells = [str(i), r.layout.label(), f"{r.step_s:.3f}", f"{r.tokens_per_s:,.0f}", f"{r.memory_gib * scale:.2f}",
+        cells = [str(i), r.layout.label(), *([str(r.layout.ep)] if show_ep else []), f"{r.step_s:.3f}",
+                 f"{r.tokens_per_s:,.0f}", f"{r.memory_gib * scale:.2f}",
                  *(f"{r.terms_gib[t] * scale:.2f}" for t in terms), f"{r.start_gib * scale:.2f}", "yes" if r.fits else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
@@ -161,6 +188,9 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
             lines.append(f"Its data-parallel all-reduce hidden behind the backward: {-first.overlap_s:.3f} s a step.")
         if first.fsdp_s:
             lines.append(f"Its FSDP2 all-gathers, reduce-scatters and copies not hidden behind compute: {first.fsdp_s:.3f} s a step.")
+        if first.a2a_s:
+            lines.append(f"Its expert-parallel all-to-alls (dispatch and combine, forward and backward, exposed): "
+                         f"{first.a2a_s:.3f} s a step; the busiest rank routes {job.moe_imbalance:g}x the mean rows.")
     return "\n".join(lines)
 
 
@@ -189,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bar, update = _progress()
     try:
         rows = search(job, plans=tuple(args.plans) if args.plans else None, checkpoints=tuple(args.checkpoints),
-                      progress=update, fsdp=not args.no_fsdp)
+                      progress=update, fsdp=not args.no_fsdp, ep=not args.no_ep)
     finally:
         bar.close()
     if args.json:

@@ -1,9 +1,10 @@
-"""The layout search: every (tp, pp, dp, dp_shard, zero, micro-batches, schedule, checkpoint, plan) a job can run, ranked.
+"""The layout search: every (tp, pp, dp, dp_shard, ep, zero, micro-batches, schedule, checkpoint, plan) a job can run, ranked.
 
 :func:`search` enumerates the layouts boost-train accepts for a model on ``devices``
 (tp within a node and dividing heads, kv-heads, d and d_ff; pp dividing the rest
 and at most the blocks; dp the remainder, dividing the batch; or FSDP2 and HSDP: the
-remainder cut into dp replicas of dp_shard ranks, with or without pipeline stages), prices each with
+remainder cut into dp replicas of dp_shard ranks, with or without pipeline stages; for a mixture of
+experts, expert parallelism over every dp rank as boost-train runs it: :func:`ep_layouts`), prices each with
 the time model (:mod:`boost_compile.plan.timing`) and the memory model
 (:mod:`boost_compile.plan.memory`), drops what does not fit and sorts the rest,
 fastest first (then the least memory). :func:`refusal` says why nothing fits and
@@ -12,14 +13,15 @@ what would.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 
 from boost_compile.costmodel import scale_model as sm
 from boost_compile.costmodel.hardware import Hardware
 from boost_compile.plan.memory import GIB, PRECISIONS, memory, start_memory
-from boost_compile.plan.model import PLANS, ModelSpec
-from boost_compile.plan.timing import cold_compile, step_time
+from boost_compile.plan.model import MOE_IMBALANCE, PLANS, ModelSpec, expert_share, local_numel, stage_blocks
+from boost_compile.plan.timing import Moe, cold_compile, step_time
 
 CHECKPOINTS = ("none", "lowrank", "full")
 #: the schedules a compiled pipeline can run (zero_bubble splits the backward, which a compiled stage cannot)
@@ -50,6 +52,8 @@ class Layout:
     dp_shard: int = 1
     #: ``parallel.reshard_after_forward`` (FSDP2): free a block's gathered weights after its forward
     reshard_after_forward: bool = True
+    #: ``parallel.ep``: the experts sharded by expert over the dp ranks (boost-train: ep == dp); 1: none
+    ep: int = 1
 
     @property
     def data_ranks(self) -> int:
@@ -64,7 +68,7 @@ class Layout:
             data = (f" fsdp{self.dp_shard}" if self.dp == 1 else f" hsdp{self.dp}x{self.dp_shard}") + (
                 "" if self.reshard_after_forward else " noreshard")
         return (f"tp{self.tp}" + (f" {self.plan}" if self.tp > 1 else "") + (pipe if self.pp > 1 else "")
-                + data + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}"
+                + data + (f" ep{self.ep}" if self.ep > 1 else "") + (" zero1" if self.zero else "") + f" ckpt={self.checkpoint}"
                 + (f" local{self.local_batch}" if self.local_batch is not None else ""))
 
     def micro_steps(self, batch: int) -> int:
@@ -77,6 +81,8 @@ class Layout:
         if self.dp_shard > 1:
             out.append(f"parallel.dp_shard={self.dp_shard}")
             out.append(f"parallel.reshard_after_forward={str(self.reshard_after_forward).lower()}")
+        if self.ep > 1:
+            out.append(f"parallel.ep={self.ep}")
         if self.tp > 1:
             out.append(f"parallel.plan={self.plan}")
         if self.pp > 1:
@@ -108,6 +114,9 @@ class Job:
     on_meta: bool = True
     #: elements of the largest dense weight a rank reads whole to factorize it by SVD (0: none)
     svd_elements: int = 0
+    #: a mixture of experts under EP: the busiest rank's routed rows over the mean (boost-plan's
+    #: ``--moe-imbalance``), charged to its expert compute, all-to-alls and activations
+    moe_imbalance: float = MOE_IMBALANCE
 
 
 @dataclass(frozen=True)
@@ -132,13 +141,15 @@ class Row:
     #: the start's peak per device (build, materialise, shard, cast: plan.memory.start_memory);
     #: ``fits`` needs it and ``memory_gib`` (the step's) within the memory
     start_gib: float = 0.0
+    #: expert parallelism's all-to-alls on the critical path (plan.timing; exposed)
+    a2a_s: float = 0.0
 
     def as_json(self) -> dict:
         """The ``--json`` row: the layout's keys, ``step_s``, ``memory_gib``, ``fits``, ``command`` and the terms."""
         return {**asdict(self.layout), "step_s": self.step_s, "tokens_per_s": self.tokens_per_s,
                 "memory_gib": self.memory_gib, "fits": self.fits, "command": self.command,
                 "memory_terms_gib": self.terms_gib, "peak_at": self.peak_at, "recompute_s": self.recompute_s,
-                "fsdp_s": self.fsdp_s, "start_gib": self.start_gib}
+                "fsdp_s": self.fsdp_s, "start_gib": self.start_gib, "a2a_s": self.a2a_s}
 
 
 #: the share of a device's memory a layout may plan to use (the rest: CUDA context, allocator fragmentation)
@@ -162,14 +173,18 @@ def divisors(n: int) -> list[int]:
 
 
 def tp_degrees(spec: ModelSpec, devices: int, per_node: int) -> list[int]:
-    """TP degrees inside one node that divide the heads, kv-heads, d and d_ff (and the devices)."""
-    widths = (spec.n_heads, spec.n_kv_heads, spec.dim, spec.ffn_dim)
+    """TP degrees inside one node that divide the heads, kv-heads, d and the d_ff of the MLPs TP splits
+    (the dense ones and the shared experts; never the routed experts, whole on every TP rank)."""
+    dense_mlp = not spec.moe or len(spec.dense_layers) > 0
+    widths = (spec.n_heads, spec.n_kv_heads, spec.dim) + ((spec.ffn_dim,) if dense_mlp else ()) + (
+        (spec.shared_ffn_dim,) if spec.shared_ffn_dim else ())
     return [t for t in divisors(min(devices, per_node)) if devices % t == 0 and all(w % t == 0 for w in widths)]
 
 
 def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
-            fsdp: bool = True) -> Iterator[Layout]:
-    """Every layout of ``job`` that boost-train's validation accepts; ``fsdp``: FSDP2 and HSDP ones too."""
+            fsdp: bool = True, ep: bool = True) -> Iterator[Layout]:
+    """Every layout of ``job`` that boost-train's validation accepts; ``fsdp``: FSDP2 and HSDP ones too;
+    ``ep``: expert parallelism for a mixture of experts (:func:`ep_layouts`)."""
     spec = job.spec
     plans = plans or PLANS[spec.kind]
     for tp in tp_degrees(spec, job.devices, job.per_node):
@@ -190,6 +205,69 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
                 yield from _piped_sharded(job, tp, pp, plans, checkpoints)
         if fsdp:
             yield from _sharded(job, tp, plans, checkpoints)
+        if ep:
+            yield from ep_layouts(job, tp, plans, checkpoints)
+
+
+def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
+    """Expert parallelism as boost-train runs it (``train/validate.py``'s ``check_ep``): the experts
+    sharded over every data-parallel rank (ep == dp > 1, dividing n_experts), with TP or without, never
+    with pipeline stages, FSDP2 or ZeRO-1; none for a model without experts."""
+    spec = job.spec
+    dp = job.devices // tp
+    if not spec.moe or dp < 2 or spec.n_experts % dp or job.batch % dp:
+        return
+    for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
+        for ck in checkpoints:
+            yield Layout(tp, 1, dp, 0, 1, "1f1b", ck, plan, ep=dp)
+
+
+@functools.lru_cache(maxsize=256)
+def _moe_params(spec: ModelSpec, plan: str, tp: int, stages: int, pp: int, ep: int) -> tuple[float, float, float, int]:
+    """The busiest pipeline rank's parameters (its experts' share under ``ep``), those DDP all-reduces
+    (all but the experts under EP), the largest block's on one TP rank (experts whole), and the MoE
+    blocks of the busiest stage."""
+    cut = stage_blocks(spec, stages)
+    per_rank = []
+    for rank in range(pp):
+        mine = range(rank, len(cut), pp)
+        blocks = {b for i in mine for b in cut[i]}
+        first, last = 0 in mine, len(cut) - 1 in mine
+        held = reduced = 0
+        for t in spec.tensors():
+            if t.block in blocks or (t.block < 0 and (first if t.role == "embed" else last)):
+                k = local_numel(t, plan, tp)
+                if t.role == "expert":
+                    held += expert_share(k, ep)
+                    reduced += 0 if ep > 1 else k
+                else:
+                    held, reduced = held + k, reduced + k
+        per_rank.append((held, reduced, sum(spec.moe_block(b) for b in blocks)))
+    blocks_numel: dict[int, int] = {}
+    for t in spec.tensors():
+        if t.block >= 0:
+            blocks_numel[t.block] = blocks_numel.get(t.block, 0) + local_numel(t, plan, tp)
+    held, reduced, moe_stage = max(per_rank)
+    return float(held), float(reduced), float(max(blocks_numel.values())), moe_stage
+
+
+def moe_of(job: Job, layout: Layout) -> Moe | None:
+    """The time model's view of ``job``'s mixture of experts (or latent attention) under ``layout``."""
+    spec, lo = job.spec, layout
+    if not spec.moe and spec.mla is None and spec.attn_head_dim is None:
+        return None
+    params, reduced, block, moe_stage = _moe_params(spec, lo.plan, lo.tp, lo.pp * lo.stages_per_rank, lo.pp, lo.ep)
+    attn = {}
+    if spec.mla is not None or spec.attn_head_dim is not None:
+        names = (".self_attn.", ".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.")  # a block's attention matrices
+        attn_params = sum(local_numel(t, lo.plan, lo.tp) for t in spec.tensors()
+                          if t.block == 0 and len(t.shape) == 2 and any(n in t.name for n in names))
+        heads = -(-spec.n_heads // lo.tp)
+        qk, v = (spec.mla.qk_head_dim, spec.mla.v_head_dim) if spec.mla else (spec.head_dim, spec.head_dim)
+        attn = {"attn_params": float(attn_params), "attn_width": heads * (qk + v) / 2, "attn_head_dim": qk}
+    return Moe(spec.dim, spec.n_experts, spec.top_k, spec.expert_width, spec.expert_rank, spec.shared_ffn_dim,
+               spec.moe_layers, moe_stage, params, reduced, block, ep=lo.ep, imbalance=job.moe_imbalance,
+               ep_per_node=max(1, job.per_node // lo.tp), **attn)
 
 
 def _sharded(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
@@ -258,17 +336,18 @@ def price(job: Job, layout: Layout) -> Row:
                   param_bytes=prec.weights, dp_across_nodes=lo.tp * lo.data_ranks > job.per_node,
                   p2p_across_nodes=job.devices > job.per_node, tensors=-(-len(spec.tensors()) // lo.pp),
                   dp_shard=lo.dp_shard, reshard_after_forward=lo.reshard_after_forward,
-                  shard_across_nodes=lo.tp * lo.dp_shard > job.per_node)
+                  shard_across_nodes=lo.tp * lo.dp_shard > job.per_node, moe=moe_of(job, lo))
     mem = memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp=lo.dp, zero=lo.zero, microbatches=lo.microbatches,
                  schedule=lo.schedule, checkpoint=lo.checkpoint, batch=batch, seq=job.seq, precision=job.precision,
                  stages_per_rank=lo.stages_per_rank, accumulating=a > 1, dp_shard=lo.dp_shard,
-                 reshard_after_forward=lo.reshard_after_forward)
+                 reshard_after_forward=lo.reshard_after_forward, ep=lo.ep, moe_imbalance=job.moe_imbalance)
     start = start_memory(spec, lo.plan, tp=lo.tp, pp=lo.pp, dp_shard=lo.dp_shard, precision=job.precision,
-                         stages_per_rank=lo.stages_per_rank, on_meta=job.on_meta, svd_elements=job.svd_elements)
+                         stages_per_rank=lo.stages_per_rank, on_meta=job.on_meta, svd_elements=job.svd_elements, ep=lo.ep)
     step_s = a * t.step_s - (a - 1) * t.once_s
     return Row(lo, step_s, job.batch * job.seq / step_s, mem.gib, {k: v / GIB for k, v in mem.terms.items()},
                mem.peak_at, max(mem.peak, start) <= job.memory_bytes, command(job, lo), t.recompute_s, t.overlap_s,
-               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware), fsdp_s=t.fsdp_s, start_gib=start / GIB)
+               cold_compile(spec.n_layers, lo.tp, lo.pp, job.hardware), fsdp_s=t.fsdp_s, start_gib=start / GIB,
+               a2a_s=a * t.a2a_s)
 
 
 def command(job: Job, layout: Layout) -> str:
@@ -310,13 +389,14 @@ def accumulate_to_fit(job: Job, layout: Layout, local_batch: int | None = None) 
 
 def search(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tuple[str, ...] = CHECKPOINTS,
            progress: Callable[[int, int], None] | None = None, local_batch: int | None = None,
-           fsdp: bool = True) -> list[Row]:
+           fsdp: bool = True, ep: bool = True) -> list[Row]:
     """Every layout of ``job`` priced, best first: those that fit by step time (then memory), then the rest.
 
     A layout whose memory binds is priced with gradient accumulation when that makes it fit
     (:func:`accumulate_to_fit`); ``local_batch`` fixes it instead (the user's ``trainer.local_batch``).
-    ``fsdp``: FSDP2 and HSDP layouts beside DDP, ZeRO-1 and the pipelines."""
-    candidates = list(layouts(job, plans=plans, checkpoints=checkpoints, fsdp=fsdp))
+    ``fsdp``: FSDP2 and HSDP layouts beside DDP, ZeRO-1 and the pipelines; ``ep``: expert parallelism
+    for a mixture of experts."""
+    candidates = list(layouts(job, plans=plans, checkpoints=checkpoints, fsdp=fsdp, ep=ep))
     rows = []
     for i, lo in enumerate(candidates):
         rows.append(accumulate_to_fit(job, lo, local_batch))

@@ -76,10 +76,31 @@ mode, ZeRO and a schedule; this module adds what each costs:
   micro-batch's forward gathers it again, and so may the backward after it (2 m gathers: an upper
   bound). The reduce-scatters (and HSDP's all-reduces) run after the last backward with nothing to
   hide behind: all exposed, as are the copies.
+- **mixture of experts** (:class:`Moe`, :func:`moe_layer_time`): the scale model prices a dense
+  Llama block; an MoE block replaces its MLP, per micro-batch of T tokens on a rank, by the
+  router ([T, d] x [d, E]), the routed experts over T top_k rows (each SwiGLU matrix one GEMM of
+  all the rank's rows: the grouped GEMM priced as one, at the GEMM efficiency of its whole shape)
+  times the load imbalance under EP (``imbalance``: the busiest EP rank's rows over the mean), the
+  shared experts (a dense MLP split by TP), and their SwiGLU and the dispatch's gathers and
+  scatters at the elementwise rate; the experts are whole on every TP rank, so each TP rank computes
+  all its replica's routed rows. Expert parallelism adds four all-to-alls per MoE block and
+  micro-batch (dispatch and combine in the forward, their gradients in the backward), each moving
+  T top_k d bytes of which (ep - 1) / ep leave the rank (times ``imbalance`` for the busiest):
+  the share to ranks on the node at ``allreduce_bus_bandwidth``, the share to other nodes at
+  ``internode_bus_bandwidth``, both at once, plus ``collective_latency``; exposed (boost-train runs
+  the dispatch eagerly, between the compiled graphs). Parameters are counted from the model's
+  tensors, not the dense shape: AdamW's passes over the rank's (its experts / ep) and DDP's
+  all-reduce of all but the experts under EP (EP uses every dp rank as an EP rank); without EP the
+  experts are whole on every rank, all-reduced by DDP or gathered by FSDP2 with their block.
+  Multi-head latent attention (or a head width other than d / heads) is priced from the scale
+  model's attention GEMMs scaled by the attention's parameters over the dense block's 4 d^2, and its
+  core attention at its own widths (q.k over qk_head_dim, p.v over v_head_dim: their mean).
+  Recompute under checkpointing is the dense block's.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from boost_compile.costmodel import scale_model as sm
@@ -98,6 +119,121 @@ _VANILLA = {"lowrank": (), "full_tp": tuple(range(0, 14, 2)), "full": tuple(rang
 RECOMPUTED_GEMMS = {"btp": _BTP, "full-rank": _FULL_RANK, "vanilla": _VANILLA}
 
 
+#: forward GEMMs of the dense MLP in scale_model.layer_gemms, per system (replaced by an MoE block's)
+DENSE_MLP_GEMMS = {"full-rank": (2, 3), "btp": (6, 7, 8, 9, 10), "vanilla": tuple(range(8, 14))}
+#: element passes (read + write) of the dispatch per routed row of width d: gather in, scatter-add out,
+#: forward and backward
+DISPATCH_PASSES = 8
+
+
+@dataclass(frozen=True)
+class Moe:
+    """What the time model needs of a mixture of experts (and latent attention) beyond the scale
+    model's dense shape, for one layout (``plan/search.py`` fills it from the model's tensors)."""
+
+    dim: int
+    n_experts: int
+    top_k: int
+    expert_ffn: int
+    expert_rank: int | None
+    shared_ffn: int
+    #: MoE blocks in all, and in the busiest pipeline stage
+    layers: int
+    stage_layers: int
+    #: parameters the busiest rank holds (its experts / ep), those DDP all-reduces, the largest block's
+    params: float
+    reduced: float
+    block_params: float
+    ep: int = 1
+    imbalance: float = 1.1
+    #: the EP group's ranks on one node (ep when the group stays in a node)
+    ep_per_node: int = 1
+    #: attention priced by parameters (0: the scale model's): one rank's attention parameters per block,
+    #: its attention width (local heads x the mean of qk and v head widths) and qk head width
+    attn_params: float = 0.0
+    attn_width: float = 0.0
+    attn_head_dim: int = 0
+
+
+def all_to_all_time(payload: float, moe: Moe, hw: Hardware) -> float:
+    """One all-to-all of ``payload`` bytes per rank over the EP group: the (ep - 1) / ep share that
+    leaves the rank, to the node's ranks and the other nodes' at once (see the module's docstring)."""
+    ep = moe.ep
+    if ep <= 1:
+        return 0.0
+    local = max(1, min(ep, moe.ep_per_node))
+    on_node = payload * (local - 1) / ep / hw.allreduce_bus_bandwidth
+    off_node = payload * (ep - local) / ep / (hw.internode_bus_bandwidth or hw.allreduce_bus_bandwidth)
+    return hw.collective_latency + max(on_node, off_node)
+
+
+def moe_layer_time(moe: Moe, system: str, shape: sm.Shape, tokens: int, tp: int, hw: Hardware,
+                   wl: sm.Workload) -> tuple[float, float]:
+    """Seconds one MoE block adds to the scale model's dense block for one micro-batch of ``tokens``
+    on one rank, forward and backward: (compute: router, experts x imbalance, shared experts, their
+    element passes, less the dense MLP priced; the four all-to-alls)."""
+    e, d, f, r = wl.dtype_bytes, moe.dim, moe.expert_ffn, moe.expert_rank
+    imbalance = moe.imbalance if moe.ep > 1 else 1.0
+    rows = max(1, math.ceil(tokens * moe.top_k * imbalance))
+    if r is None:
+        experts = [(rows, d, 2 * f), (rows, f, d)]
+    else:
+        experts = [(rows, d, 2 * r), (rows, r, f), (rows, r, f), (rows, f, r), (rows, r, d)]
+    gemms = experts + [(tokens, d, moe.n_experts)]
+    sl = -(-moe.shared_ffn // tp) if system != "vanilla" else moe.shared_ffn
+    if moe.shared_ffn:
+        gemms += [(tokens, d, 2 * sl), (tokens, sl, d)]
+    gemm_s = 3 * sum(sm.gemm_time(m, k, n, hw, e) for m, k, n in gemms)
+    swiglu = sum(sm.PASSES["swiglu"])
+    ew = (swiglu * (rows * f + tokens * sl) + DISPATCH_PASSES * rows * d + 4 * tokens * moe.n_experts) * e
+    dense = sm.layer_gemms(system, shape, tokens, tp)
+    dense_s = 3 * sum(sm.gemm_time(g.m, g.k, g.n, hw, e) for i, g in enumerate(dense) if i in DENSE_MLP_GEMMS[system])
+    ffl = shape.d_ff if system == "vanilla" else -(-shape.d_ff // tp)
+    dense_s += sm.elementwise_time(swiglu * tokens * ffl * e, hw)
+    compute = gemm_s + sm.elementwise_time(ew, hw) - dense_s
+    a2a = 4 * all_to_all_time(tokens * moe.top_k * d * e * imbalance, moe, hw)
+    return compute, a2a
+
+
+def attention_delta(moe: Moe, system: str, shape: sm.Shape, batch: int, seq: int, tp: int, hw: Hardware,
+                    wl: sm.Workload) -> float:
+    """Seconds per block and micro-batch that the attention priced by parameters (:class:`Moe`'s
+    ``attn_*``) differs from the scale model's, forward and backward (0 when not given)."""
+    if not moe.attn_params or system != "full-rank":
+        return 0.0
+    tokens, e = batch * seq, wl.dtype_bytes
+    gemms = sm.layer_gemms(system, shape, tokens, tp)[:2]
+    dense_s = 3 * sum(sm.gemm_time(g.m, g.k, g.n, hw, e) for g in gemms)
+    dense_params = sum(g.k * g.n for g in gemms)
+    width = sm.attention_heads(system, shape, tp) * shape.head_dim
+    factor = 1 + wl.attention_bwd_factor
+    core = (sm.attention_time(sm.attention_flops(batch, seq, moe.attn_width, wl.causal_fraction) * factor,
+                              moe.attn_head_dim, hw)
+            - sm.attention_time(sm.attention_flops(batch, seq, width, wl.causal_fraction) * factor, shape.head_dim, hw))
+    return dense_s * (moe.attn_params / dense_params - 1) + core
+
+
+def with_moe(pred: sm.Prediction, moe: Moe | None, system: str, shape: sm.Shape, *, batch: int, seq: int, tp: int,
+             pp: int, dp: int, hw: Hardware, wl: sm.Workload) -> tuple[sm.Prediction, float, float]:
+    """The scale model's ``pred`` (micro-batches of ``batch`` sequences) with an MoE model's blocks,
+    parameters and all-to-alls (see the module's docstring): the prediction, the seconds of
+    all-to-all on the critical path, and the compute one MoE block adds per micro-batch."""
+    if moe is None:
+        return pred, 0.0, 0.0
+    m = pred.micro_batches
+    compute, a2a = moe_layer_time(moe, system, shape, batch * seq, tp, hw, wl)
+    moe_path = moe.layers + (m - 1) * moe.stage_layers if pp > 1 else moe.layers
+    layers_path = shape.layers + (m - 1) * max(sm.stage_layers(shape.layers, pp)) if pp > 1 else shape.layers
+    extra = compute * moe_path + attention_delta(moe, system, shape, batch, seq, tp, hw, wl) * layers_path
+    a2a_s = a2a * moe_path
+    optimizer_s = sm.elementwise_time(wl.optimizer_bytes_per_param * moe.params, hw)
+    dp_comm, _, dp_copy = sm.dp_cost(moe.reduced, dp, hw, wl)
+    dp_s = dp_comm + dp_copy
+    iteration = pred.iteration_s + extra + a2a_s + optimizer_s - pred.optimizer_s + dp_s - pred.dp_s
+    return replace(pred, iteration_s=iteration, gemm_s=pred.gemm_s + extra, comm_s=pred.comm_s + a2a_s,
+                   optimizer_s=optimizer_s, dp_s=dp_s), a2a_s, compute
+
+
 @dataclass(frozen=True)
 class StepTime:
     """Predicted seconds of one training step of a layout, with the parts the planner adds."""
@@ -114,6 +250,8 @@ class StepTime:
     #: what a step does once however many micro-steps it accumulates: the optimizer, the exposed
     #: data-parallel reduction (DDP's all-reduce, ZeRO-1's gather, FSDP2's reduce-scatters)
     once_s: float = 0.0
+    #: expert parallelism's all-to-alls on the critical path (exposed)
+    a2a_s: float = 0.0
 
 
 def recompute_cost(system: str, shape: sm.Shape, batch: int, seq: int, p: int, mode: str, hw: Hardware,
@@ -135,32 +273,34 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
               stages_per_rank: int, checkpoint: str, zero: int, hw: Hardware, wl: sm.Workload,
               param_bytes: int, head: str = sm.DEFAULT_HEAD, dp_across_nodes: bool = False,
               p2p_across_nodes: bool = False, tensors: int = 1, dp_shard: int = 1,
-              reshard_after_forward: bool = True, shard_across_nodes: bool = False) -> StepTime:
+              reshard_after_forward: bool = True, shard_across_nodes: bool = False, moe: Moe | None = None) -> StepTime:
     """The step of one layout: :func:`scale_model.predict` and the terms above.
 
     ``dp_shard > 1``: FSDP2 (:func:`fsdp_pipeline_time` with ``pp > 1``); ``dp_across_nodes`` then says whether HSDP's replica
-    all-reduce, and ``shard_across_nodes`` whether the shard group's ring, crosses nodes."""
+    all-reduce, and ``shard_across_nodes`` whether the shard group's ring, crosses nodes. ``moe``: a
+    mixture of experts' blocks, parameters and all-to-alls (:func:`with_moe`)."""
     if dp_shard > 1:
         if pp > 1:
             return fsdp_pipeline_time(shape, plan, tp=tp, pp=pp, dp=dp, dp_shard=dp_shard, microbatches=microbatches,
                                       schedule=schedule, stages_per_rank=stages_per_rank, checkpoint=checkpoint, hw=hw,
                                       wl=wl, param_bytes=param_bytes, head=head, reshard_after_forward=reshard_after_forward,
                                       shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes,
-                                      p2p_across_nodes=p2p_across_nodes)
+                                      p2p_across_nodes=p2p_across_nodes, moe=moe)
         return fsdp_step_time(shape, plan, tp=tp, dp=dp, dp_shard=dp_shard, checkpoint=checkpoint, hw=hw, wl=wl,
                               param_bytes=param_bytes, head=head, reshard_after_forward=reshard_after_forward,
-                              shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes)
+                              shard_across_nodes=shard_across_nodes, replica_across_nodes=dp_across_nodes, moe=moe)
     system = SYSTEMS[plan]
     m = microbatches if pp > 1 else 1
     pred = sm.predict(shape, system, tp, pp, hw, replace(wl, micro_batches=m), head=head, dp=dp)
     mb = wl.batch // dp // m
+    pred, a2a_s, _ = with_moe(pred, moe, system, shape, batch=mb, seq=wl.seq, tp=tp, pp=pp, dp=dp, hw=hw, wl=wl)
     layers = max(sm.stage_layers(shape.layers, pp))
     # the busiest stage recomputes its layers for each micro-batch (on the critical path m + pp - 1 times)
     per_mb = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl) * layers
     recompute_s = per_mb * (m + pp - 1)
     zero_s = 0.0
     if zero and dp > 1:
-        params = max(sm.stage_params(system, shape, tp, pp, head))
+        params = moe.params if moe else max(sm.stage_params(system, shape, tp, pp, head))
         # one broadcast per parameter tensor from its owner, queued behind the first
         queued = hw.queued_collective_latency or hw.collective_latency
         zero_s = (sm.allgather_time(1, params * param_bytes, dp, hw) + (max(1, tensors) - 1) * queued
@@ -168,7 +308,7 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     internode_s = dp_internode_s = 0.0
     if dp_across_nodes and dp > 1 and hw.internode_bus_bandwidth:
         # the gradient all-reduce's ring crosses the nodes: it runs at the slower links' rate
-        params = max(sm.stage_params(system, shape, tp, pp, head))
+        params = moe.reduced if moe else max(sm.stage_params(system, shape, tp, pp, head))
         payload = params * wl.grad_bytes
         slow = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth)
         internode_s = dp_internode_s = sm.allreduce_time(1, payload, dp, slow) - sm.allreduce_time(1, payload, dp, hw)
@@ -188,7 +328,8 @@ def step_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int, microbat
     overlap_s = dp_overlap(pred, layers, recompute_s, dp_internode_s, hw, m + pp - 1 if pp > 1 else 1) if dp > 1 else 0.0
     total = pred.iteration_s + recompute_s + zero_s + schedule_s + internode_s + overlap_s
     once_s = pred.optimizer_s + pred.dp_s + overlap_s + zero_s
-    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s, once_s=once_s)
+    return StepTime(total, pred.iteration_s, recompute_s, zero_s, schedule_s, internode_s, pred, overlap_s, once_s=once_s,
+                    a2a_s=a2a_s)
 
 
 def fsdp_unit_params(system: str, shape: sm.Shape, tp: int, head: str = sm.DEFAULT_HEAD) -> tuple[float, float, float]:
@@ -215,17 +356,22 @@ def fsdp_pass(gathers: list[float], reduces: list[float], compute: list[float], 
 
 def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: int, checkpoint: str, hw: Hardware,
                    wl: sm.Workload, param_bytes: int, head: str = sm.DEFAULT_HEAD, reshard_after_forward: bool = True,
-                   shard_across_nodes: bool = False, replica_across_nodes: bool = False) -> StepTime:
-    """The step of an FSDP2 or HSDP layout without pipeline stages (see the module's docstring)."""
+                   shard_across_nodes: bool = False, replica_across_nodes: bool = False, moe: Moe | None = None) -> StepTime:
+    """The step of an FSDP2 or HSDP layout without pipeline stages (see the module's docstring); an
+    MoE model's blocks gathered whole, experts included (``moe``)."""
     system, n = SYSTEMS[plan], dp_shard
     pred = sm.predict(shape, system, tp, 1, hw, replace(wl, micro_batches=1), head=head, dp=dp * n)
     mb, layers = wl.batch // (dp * n), shape.layers
+    pred, _, moe_c = with_moe(pred, moe, system, shape, batch=mb, seq=wl.seq, tp=tp, pp=1, dp=dp * n, hw=hw, wl=wl)
     per_layer_recompute = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl)
     layer = sm.layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
     top = sm.head_cost(system, shape, mb * wl.seq, tp, hw, wl, head)
     layer_c, head_c = layer.gemm_s + layer.attention_s + layer.elementwise_s, top.gemm_s + top.elementwise_s
+    if moe is not None:  # the MoE blocks' compute spread over the blocks
+        layer_c += moe_c * moe.layers / layers
     shard_hw, replica_hw = _fsdp_links(hw, shard_across_nodes, replica_across_nodes)
     e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
+    b_p = moe.block_params if moe is not None else b_p
     order = [e_p] + [b_p] * layers + [h_p]  # the forward's units
     ag = [sm.allgather_time(1, p * wl.dtype_bytes, n, shard_hw) for p in order]
     rs = [sm.allgather_time(1, p * param_bytes, n, shard_hw) + sm.allreduce_time(1, p * param_bytes / n, dp, replica_hw)
@@ -257,16 +403,17 @@ def fsdp_pipeline_time(shape: sm.Shape, plan: str, *, tp: int, pp: int, dp: int,
                        schedule: str, stages_per_rank: int, checkpoint: str, hw: Hardware, wl: sm.Workload,
                        param_bytes: int, head: str = sm.DEFAULT_HEAD, reshard_after_forward: bool = False,
                        shard_across_nodes: bool = False, replica_across_nodes: bool = False,
-                       p2p_across_nodes: bool = False) -> StepTime:
+                       p2p_across_nodes: bool = False, moe: Moe | None = None) -> StepTime:
     """The step of pipeline stages under FSDP2 or HSDP (see the module's docstring): the gathers
     prefetched behind a micro-batch's forward, the stage's reduce-scatters at the step's end unhidden."""
     system, n, m = SYSTEMS[plan], dp_shard, microbatches
     base = step_time(shape, plan, tp=tp, pp=pp, dp=dp * n, microbatches=m, schedule=schedule,
                      stages_per_rank=stages_per_rank, checkpoint=checkpoint, zero=0, hw=hw, wl=wl,
-                     param_bytes=param_bytes, head=head, p2p_across_nodes=p2p_across_nodes)
+                     param_bytes=param_bytes, head=head, p2p_across_nodes=p2p_across_nodes, moe=moe)
     pred = base.prediction
     shard_hw, replica_hw = _fsdp_links(hw, shard_across_nodes, replica_across_nodes)
     e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
+    b_p = moe.block_params if moe is not None else b_p
     layers = max(sm.stage_layers(shape.layers, pp))
     units = [max(e_p, h_p)] + [b_p] * layers  # the busiest rank's, in its forward's order
     layer = sm.layer_cost(system, shape, wl.batch // (dp * n) // m, wl.seq, tp, hw, wl)
