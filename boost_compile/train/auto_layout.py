@@ -5,7 +5,8 @@ launcher started (``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` per node), the model and 
 global batch of the config, the hardware file (``parallel.hardware``) and the memory
 per device, logs the best rows and the choice, and returns the config with the
 chosen ``parallel.*`` fields (``dp_shard`` and ``reshard_after_forward`` for FSDP2, whose
-layouts it leaves out where boost-train would refuse them: :func:`fsdp_allowed`) and
+layouts it leaves out where boost-train would refuse them: :func:`fsdp_allowed`; ``ep`` for
+expert parallelism of a mixture of experts, likewise: :func:`ep_allowed`) and
 ``passes.options.checkpoint``. boost-train then validates it like any other.
 """
 
@@ -88,6 +89,22 @@ def fsdp_allowed(tc: TrainConfig) -> bool:
     return tc.passes.backend == "none" or tc.passes.unit == "block"
 
 
+def ep_allowed(tc: TrainConfig, spec: ModelSpec) -> bool:
+    """Whether boost-train runs expert parallelism for ``tc``'s model (``spec``, a mixture of experts):
+    its ``check_ep`` accepts an EP2 layout of it. A preset's experts are read off the built model
+    there, here off ``spec``."""
+    from boost_compile.train.validate import check_ep
+
+    if not spec.moe:
+        return False
+    probe = dataclasses.replace(tc.parallel, ep=2, dp=2, tp=1, pp=1, dp_shard=1, zero=0)
+    try:
+        check_ep(dataclasses.replace(tc, parallel=probe))
+    except ConfigError:
+        return tc.model.hf_path is None and tc.model.hf_config is None  # a preset whose config has n_experts
+    return True
+
+
 def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | None = None,
                   device_type: str | None = None) -> tuple[TrainConfig, list[Row]]:
     """``tc`` with the planner's layout for ``world`` processes (default: the launcher's)."""
@@ -113,7 +130,8 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     boost = tc.passes.backend == "boost"
     asked = tc.passes.options.get("checkpoint") if boost else None
     checkpoints = (asked,) if asked in CHECKPOINTS else (CHECKPOINTS if boost else ("none",))
-    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch, fsdp=fsdp_allowed(tc))
+    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch, fsdp=fsdp_allowed(tc),
+                  ep=ep_allowed(tc, spec))
     if not boost:  # btp and megatron insert their collectives in the boost backend
         rows = [r for r in rows if r.layout.tp == 1]
     try:
@@ -124,7 +142,7 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     log.info("parallel=auto: chose %s (predicted step %.3f s)", choice.label(), next(r.step_s for r in rows if r.layout == choice))
     parallel = dataclasses.replace(
         par, layout="manual", tp=choice.tp, pp=choice.pp, dp=choice.dp, zero=choice.zero, plan=choice.plan if choice.tp > 1 else par.plan,
-        dp_shard=choice.dp_shard, reshard_after_forward=choice.reshard_after_forward,
+        dp_shard=choice.dp_shard, reshard_after_forward=choice.reshard_after_forward, ep=choice.ep,
         microbatches=choice.microbatches if choice.pp > 1 else None, pp_schedule=choice.schedule,
         stages_per_rank=choice.stages_per_rank, layers_per_stage=None,
     )
