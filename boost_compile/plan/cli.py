@@ -121,6 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "built whole on every rank (--rank: factorized on meta by SVD, one dense weight at a time)")
     p.add_argument("--no-fsdp", action="store_true", help="leave out FSDP2 and HSDP layouts (parallel.dp_shard > 1)")
     p.add_argument("--no-ep", action="store_true", help="leave out expert parallelism (parallel.ep > 1) for a mixture of experts")
+    p.add_argument("--ep-only", action="store_true",
+                   help="show only the layouts with expert parallelism (their places in the whole ranking in the # column)")
     p.add_argument("--moe-imbalance", type=float, default=MOE_IMBALANCE,
                    help=f"a mixture of experts under EP: the busiest rank's routed rows over the mean (default {MOE_IMBALANCE})")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
@@ -150,10 +152,13 @@ def make_job(args: argparse.Namespace) -> Job:
                svd_elements, moe_imbalance=args.moe_imbalance)
 
 
-def table(rows: Sequence[Row], job: Job, top: int) -> str:
-    """The ranked table (markdown) and the commands of its rows."""
+def table(rows: Sequence[Row], job: Job, top: int, *, ep_only: bool = False) -> str:
+    """The ranked table (markdown) and the commands of its rows; ``ep_only``: the expert-parallel rows
+    only, each numbered with its place among all."""
     fitting = [r for r in rows if r.fits]
-    shown = (fitting or list(rows))[:top]  # the layouts that fit; when none does, the nearest misses
+    shown = (fitting or list(rows))
+    place = {id(r): i for i, r in enumerate(shown, 1)}
+    shown = [r for r in shown if r.layout.ep > 1][:top] if ep_only else shown[:top]
     labels = {**TERM_LABELS, **{t: k for t, k in FSDP_LABELS.items() if any(r.terms_gib.get(t) for r in shown)}}
     terms = list(labels)
     # under 1 GiB per device (a memory cap on a toy model) the figures are in MiB: 0.00 GiB says nothing
@@ -172,12 +177,12 @@ def table(rows: Sequence[Row], job: Job, top: int) -> str:
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|",
     ]
-    for i, r in enumerate(shown, 1):
-        cells = [str(i), r.layout.label(), *([str(r.layout.ep)] if show_ep else []), f"{r.step_s:.3f}",
+    for r in shown:
+        cells = [str(place[id(r)]), r.layout.label(), *([str(r.layout.ep)] if show_ep else []), f"{r.step_s:.3f}",
                  f"{r.tokens_per_s:,.0f}", f"{r.memory_gib * scale:.2f}",
                  *(f"{r.terms_gib[t] * scale:.2f}" for t in terms), f"{r.start_gib * scale:.2f}", "yes" if r.fits else "no"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Commands:"] + [f"{i}. {r.command}" for i, r in enumerate(shown, 1)]
+    lines += ["", "Commands:"] + [f"{place[id(r)]}. {r.command}" for r in shown]
     if shown:
         first = shown[0]
         startup = (f"about {first.compile_s:.0f} s per rank, once per start and restart (one block graph: "
@@ -227,8 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         best(rows, job)
     except PlanError as exc:
-        print(table(rows, job, args.top))
+        print(table(rows, job, args.top, ep_only=args.ep_only))
         print(f"\nboost-plan: {exc}", file=sys.stderr)
         return 1
-    print(table(rows, job, args.top))
+    print(table(rows, job, args.top, ep_only=args.ep_only))
     return 0
