@@ -220,7 +220,8 @@ def parallelize_(
         else:
             raise ParallelizeError(
                 "plan='auto' needs blocks that are all bottlenecks (btp) or all dense (megatron); "
-                f"found {len(roles.chains)} bottlenecks and {len(roles.dense)} dense linears"
+                f"found {len(roles.chains)} bottlenecks and {len(roles.dense)} dense linears "
+                f"({', '.join(d[0] for d in roles.dense[:4])}{', ...' if len(roles.dense) > 4 else ''})"
             )
     if plan == "btp" and roles.dense:
         raise ParallelizeError(f"plan btp needs every block linear to be a bottleneck; dense: {[d[0] for d in roles.dense]}")

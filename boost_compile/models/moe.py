@@ -15,11 +15,14 @@ The experts' matrix products are grouped: the (token, slot) assignments are sort
 each expert's rows are contiguous, and one ``torch._grouped_mm`` per matrix multiplies every
 expert's rows by its weight (:func:`grouped_mm`). Where that kernel is missing (float64, a GPU
 below sm90, float32 under ``torch.compile``, whose meta kernel asks for bfloat16, a width that is
-not a multiple of 16 bytes) a loop over the experts computes the same products, eagerly
-(:func:`looped_mm`).
+not a multiple of 16 bytes) a loop over the experts computes the same products: eagerly on each
+expert's rows (:func:`looped_mm`), or in a compiled graph on every row, each keeping its own
+expert's product (:func:`masked_mm`, ``n_experts`` times the FLOPs, in static shapes: one graph).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +38,7 @@ INIT_STD = 0.02
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype a matrix product of ``x`` runs in: autocast's where it is on, else ``x``'s."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # "meta" has no autocast
         return torch.get_autocast_dtype(kind)
     return x.dtype
 
@@ -65,9 +68,25 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
 
 
+def masked_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """:func:`grouped_mm` in static shapes, for a compiled graph without the kernel: every row times
+    every expert's matrix, each row keeping its own expert's product (``torch.where``: a product
+    of another expert never mixes in), at ``E`` times the FLOPs of the grouped kernel."""
+    dtype = _compute_dtype(x)
+    rows = torch.arange(x.shape[0], device=x.device)
+    expert = torch.searchsorted(offsets, rows.to(offsets.dtype), right=True)  # E: past the last (dropped)
+    xd = x.to(dtype)
+    out = x.new_zeros(x.shape[0], w.shape[-1], dtype=dtype)
+    for e in range(w.shape[0]):
+        out = torch.where((expert == e).unsqueeze(1), xd @ w[e].to(dtype), out)
+    return out
+
+
 def looped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """:func:`grouped_mm` as a loop over the experts (any dtype and device; reads the offsets on the host)."""
     dtype = _compute_dtype(x)
+    if offsets.is_meta:  # a capture on the meta device (parallelize_'s): shapes only, no counts to read
+        return x.new_empty(x.shape[0], w.shape[-1], dtype=dtype)
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
     parts = [x[a:b].to(dtype) @ w[e].to(dtype) for e, (a, b) in enumerate(zip(starts, ends, strict=True))]
@@ -127,10 +146,13 @@ class Experts(nn.Module):
         hidden = F.silu(self._project("gate", rows, offsets, mm)) * self._project("up", rows, offsets, mm)
         return self._project("down", hidden, offsets, mm)
 
-    @torch.compiler.disable
-    def _looped_mlp(self, rows: Tensor, offsets: Tensor) -> Tensor:
-        """The experts by :func:`looped_mm`, outside any compiled graph (the loop reads the offsets)."""
-        return self._mlp(rows, offsets, looped_mm)
+    def _products(self, rows: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """The grouped GEMM where the kernel runs; else, traced, :func:`masked_mm` (one graph, which
+        ``parallelize_`` needs); else, eager, :func:`looped_mm`."""
+        widths = (self.dim, self.ffn_dim) if self.rank is None else (self.dim, self.ffn_dim, self.rank)
+        if grouped_kernel(rows, widths):
+            return grouped_mm
+        return masked_mm if torch.compiler.is_compiling() else looped_mm
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``hidden`` [T, d]; token t's output is the sum over its k slots of ``top_k_weights[t, j]``
@@ -142,9 +164,7 @@ class Experts(nn.Module):
         experts = torch.arange(self.num_experts, device=flat.device)
         offsets = (flat.unsqueeze(1) == experts).sum(0).cumsum(0).to(torch.int32)
         rows = hidden[token]
-        widths = (self.dim, self.ffn_dim) if self.rank is None else (self.dim, self.ffn_dim, self.rank)
-        grouped = grouped_kernel(rows, widths)
-        out = self._mlp(rows, offsets, grouped_mm) if grouped else self._looped_mlp(rows, offsets)
+        out = self._mlp(rows, offsets, self._products(rows))
         weight = top_k_weights.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(hidden).index_add(0, token, (out * weight).to(hidden.dtype))
 

@@ -174,7 +174,11 @@ def divisors(n: int) -> list[int]:
 
 def tp_degrees(spec: ModelSpec, devices: int, per_node: int) -> list[int]:
     """TP degrees inside one node that divide the heads, kv-heads, d and the d_ff of the MLPs TP splits
-    (the dense ones and the shared experts; never the routed experts, whole on every TP rank)."""
+    (the dense ones and the shared experts; never the routed experts, whole on every TP rank). A
+    low-rank mixture of experts has none above 1: boost-train refuses btp on it (its routers and
+    experts read the stream whole)."""
+    if spec.moe and not spec.dense:
+        return [1]
     dense_mlp = not spec.moe or len(spec.dense_layers) > 0
     widths = (spec.n_heads, spec.n_kv_heads, spec.dim) + ((spec.ffn_dim,) if dense_mlp else ()) + (
         (spec.shared_ffn_dim,) if spec.shared_ffn_dim else ())

@@ -499,7 +499,7 @@ def check_fsdp(tc: TrainConfig) -> None:
     # trainer.memory_report runs here with the blocks compiled one by one (train/parallel.py compiles_per_block)
 
 
-def check_ep(tc: TrainConfig) -> None:
+def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
     """``parallel.ep > 1``: the experts sharded over the DDP ranks (and TP on the rest), and what it
     composes with yet."""
     par = tc.parallel
@@ -514,9 +514,11 @@ def check_ep(tc: TrainConfig) -> None:
     if par.dp != par.ep:
         raise ConfigError(f"parallel.ep={par.ep} borrows the data-parallel ranks and needs as many: set parallel.dp={par.ep} "
                           f"(got parallel.dp={par.dp})")
-    if tc.model.hf_path is None and tc.model.hf_config is None:
+    reference = shape.llama_config if shape is not None else None
+    if tc.model.hf_path is None and tc.model.hf_config is None and not getattr(reference, "n_experts", 0):
         raise ConfigError(f"parallel.ep={par.ep} shards mixture-of-experts layers, and preset {tc.model.preset!r} has none; "
-                          "use a Hugging Face MoE (model=hf with hf_path, or hf_config with a model_type such as qwen3_moe)")
+                          "use an MoE preset (model=tiny-moe, or model.overrides.n_experts=N) or a Hugging Face MoE "
+                          "(model=hf with hf_path, or hf_config with a model_type such as qwen3_moe)")
 
 
 def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
@@ -561,10 +563,10 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
                 "gradient accumulation are equal"
             )
     check_fsdp(tc)
-    check_ep(tc)
 
     # model, factorize, passes
     shape = model_shape(tc.model, tr.seq)
+    check_ep(tc, shape)
     factorize = factorize_config(tc.factorize)
     if factorize is not None and not shape.dense:
         what = f"model.hf_path={tc.model.hf_path}" if tc.model.hf_path else f"preset {tc.model.preset!r}"
@@ -588,6 +590,11 @@ def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, Mode
         ]
         if bad:
             raise ConfigError(f"parallel.tp={par.tp} must divide the model's {', '.join(bad)}")
+        moe = shape.llama_config if shape.kind == "preset" else None
+        if moe is not None and moe.n_experts and moe.projection != "dense":
+            raise ConfigError(f"parallel.tp={par.tp}: preset {tc.model.preset!r} is a low-rank mixture of experts, and btp "
+                              "shards the stream its routers and experts read whole; use a dense MoE under megatron "
+                              "(model=tiny-moe-dense) or parallel.tp=1")
         if par.plan != "vanilla" and passes.backend != "boost":
             raise ConfigError(
                 f"parallel.plan={par.plan} inserts its collectives in the boost backend; use passes.backend=boost "

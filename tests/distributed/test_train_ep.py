@@ -1,5 +1,6 @@
-"""boost-train with expert parallelism (``parallel.ep``): a tiny Qwen3-MoE (4 experts, top 2) with
-its experts sharded over 2 DDP ranks, against one process (torchrun on 127.0.0.1, gloo).
+"""boost-train with expert parallelism (``parallel.ep``): the reference MoE preset ``tiny-moe`` (4 CoLA
+experts a block, top 2) and (extended) a tiny Qwen3-MoE, their experts sharded over 2 DDP ranks,
+against one process (torchrun on 127.0.0.1, gloo).
 
 - EP2's per-step losses, gradient norms and val loss follow the parity rule (conftest) against
   one-process eager runs of the same config in fp32 and fp64; each rank holds half the experts
@@ -16,14 +17,17 @@ import pytest
 from conftest import FAST, assert_train_parity, cfg_of, torchrun, train_references
 
 from boost_compile.config import ConfigError
+from boost_compile.models import LlamaConfig
+from boost_compile.models.moe import experts_params
 from boost_compile.train import run
 from boost_compile.train.metrics import read_metrics
 from boost_compile.train.validate import validate
 
 pytest.importorskip("transformers")
 
-MOE = ("model=hf-tiny", "model.hf_config.model_type=qwen3_moe", "+model.hf_config.num_experts=4",
-       "+model.hf_config.num_experts_per_tok=2", "+model.hf_config.moe_intermediate_size=32")
+HF_MOE = ("model=hf-tiny", "model.hf_config.model_type=qwen3_moe", "+model.hf_config.num_experts=4",
+          "+model.hf_config.num_experts_per_tok=2", "+model.hf_config.moe_intermediate_size=32")
+MOE = ("model=tiny-moe",)
 ONE = (*FAST, *MOE, "trainer.steps=4", "trainer.save_every=2")
 EP2 = (*ONE, "passes=none", "parallel.dp=2", "parallel.ep=2")
 
@@ -39,9 +43,8 @@ def ep2(tmp_path_factory):
     return torchrun(2, list(EP2), out), out
 
 
-def test_ep2_trains_like_one_process(ep2, references):
-    summary, out = ep2
-    assert_train_parity(summary, references, "EP2")
+def _assert_ep2_run(summary, references, out, what):
+    assert_train_parity(summary, references, what)
     assert "2 experts a layer on this rank" in (out / "train.log").read_text()
     one = references[0]["state_mib"]["params"]
     assert summary["state_mib"]["params"] < one  # half of every expert tensor on each rank
@@ -50,6 +53,26 @@ def test_ep2_trains_like_one_process(ep2, references):
     assert len(rows) == 4 and all(len(r["experts_tokens"]) == 2 for r in rows)  # two MoE layers
     assert all(sum(layer) == tokens and len(layer) == 4 for r in rows for layer in r["experts_tokens"])
     assert all(r["experts_max_over_mean"] >= 1.0 for r in rows)
+
+
+def test_ep2_trains_like_one_process(ep2, references):
+    summary, out = ep2
+    _assert_ep2_run(summary, references, out, "EP2 (tiny-moe)")
+    # each rank: everything but the experts, and half of them (from the preset's shapes)
+    cfg = LlamaConfig.preset("tiny-moe")
+    experts = cfg.n_layers * experts_params(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.rank_mlp)
+    want = (cfg.num_params() - experts // 2) * 4 / 2**20
+    assert summary["state_mib"]["params"] == pytest.approx(want, rel=1e-3)
+
+
+@pytest.mark.extended
+def test_hf_moe_ep2_trains_like_one_process(tmp_path):
+    """The same on transformers' Qwen3-MoE experts (stacked gate_up_proj, its own grouped GEMM)."""
+    one = (*FAST, *HF_MOE, "trainer.steps=4")
+    references = train_references(one, tmp_path / "references")
+    out = tmp_path / "run"
+    _assert_ep2_run(torchrun(2, [*one, "passes=none", "parallel.dp=2", "parallel.ep=2"], out), references, out,
+                    "EP2 (Qwen3-MoE)")
 
 
 def test_ep2_checkpoint_resumes_in_one_process(ep2, references, tmp_path):
@@ -68,13 +91,15 @@ def test_ep2_checkpoint_resumes_under_ep4(ep2, references, tmp_path):
 
 
 @pytest.mark.extended
-def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(references, tmp_path):
-    """4 processes: megatron over tp, the experts over dp (each TP pair the same experts), compiled
-    by boost; its checkpoint (TP shards and expert shards) resumes in one process."""
+def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
+    """4 processes: megatron over tp (tiny-moe-dense), the experts over dp (each TP pair the same
+    experts), compiled by boost; its checkpoint (TP shards and expert shards) resumes in one process."""
+    one = (*FAST, "model=tiny-moe-dense", "trainer.steps=4", "trainer.save_every=2")
+    references = train_references(one, tmp_path / "references")
     out = tmp_path / "run"
-    summary = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], out)
+    summary = torchrun(4, [*one, "passes=boost_aot_eager", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], out)
     assert_train_parity(summary, references, "EP2 x TP2")
-    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
+    resumed = run(cfg_of(*one, "passes=none", "trainer.resume=true",
                          f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
     assert_train_parity(resumed, references, "EP2 x TP2 -> one process", first=2)
 
@@ -83,6 +108,7 @@ def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(references, tmp_pa
     (("parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=2"), "not with parallel.dp_shard=2"),
     (("parallel.dp=4", "parallel.ep=2"), "set parallel.dp=2"),
     (("model=tiny", "parallel.dp=2", "parallel.ep=2"), "has none"),
+    (("parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), "btp shards the stream"),
 ])
 def test_what_ep_cannot_run_yet_is_refused(overrides, words):
     base = MOE if "model=tiny" not in overrides else ()

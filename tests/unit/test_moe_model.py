@@ -4,8 +4,8 @@
   (dense experts and CoLA ones), and its grouped GEMM (``torch._grouped_mm``) gives the loop's
   products, an expert without tokens included;
 - the router sends each token to the top_k experts of its softmax, their scores renormalised;
-- backend="boost" follows the parity rule against eager and fp64 (fp32: the experts run eagerly
-  between the compiled graphs; bf16: the grouped GEMMs are in the graph, counted);
+- backend="boost" follows the parity rule against eager and fp64, in one graph (fp32: each expert's
+  product on every row, each row keeping its own; bf16: the grouped GEMMs), counted;
 - parameter counts from the shapes, the experts found by expert parallelism's pattern, and the
   configs that cannot work refused.
 """
@@ -19,7 +19,7 @@ from conftest import check_against_eager
 
 from boost_compile.distributed.expert_parallel import find_experts
 from boost_compile.models import Llama, LlamaConfig
-from boost_compile.models.moe import Experts, MoE, experts_params, grouped_kernel, grouped_mm, looped_mm
+from boost_compile.models.moe import Experts, MoE, experts_params, grouped_kernel, grouped_mm, looped_mm, masked_mm
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 TARGETS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -61,6 +61,9 @@ def test_grouped_gemm_is_the_loop():
     offsets = torch.tensor([2, 2, 7, 9], dtype=torch.int32)  # expert 1 gets no rows
     want = torch.cat([x[0:2] @ w[0], x[2:7] @ w[2], x[7:9] @ w[3]])
     torch.testing.assert_close(looped_mm(x, w, offsets), want)
+    torch.testing.assert_close(masked_mm(x, w, offsets), want)
+    # a row past the last offset (an assignment dropped) has no expert: zeros
+    assert torch.equal(masked_mm(x, w, torch.tensor([2, 2, 7, 7], dtype=torch.int32))[7:], torch.zeros(2, 12))
     assert grouped_kernel(x, (8, 12))
     torch.testing.assert_close(grouped_mm(x, w, offsets), want)
     # the kernel's strides are multiples of 16 bytes: 5 fp32 columns go to the loop
@@ -93,27 +96,36 @@ def test_parameter_count_from_the_shapes(preset):
     assert find_experts(model) == {f"layers.{i}.mlp.experts": "routed" for i in range(cfg.n_layers)}
 
 
-def test_backend_boost_follows_the_parity_rule_fp32():
-    """fp32: the experts run eagerly between the graphs the boost passes compile (aot_eager inside)."""
-    check_against_eager(moe_model(n_layers=1), lambda m: torch.compile(m, backend="boost", options={"inner": "aot_eager"}),
-                        lambda m, _: m(TOKENS, TARGETS), what="tiny-moe fp32")
-
-
-def test_backend_boost_bf16_puts_the_grouped_gemms_in_the_graph():
-    """In bf16 ``torch._grouped_mm`` traces (Inductor compiles it): one graph, 6 grouped GEMMs in a CoLA
-    MoE block (3 matrices x 2 factors), and the parity rule against eager bf16 and fp64."""
+def _graphs_of(options=None):
+    """Compile ``model`` with the boost backend, counting each graph's grouped GEMMs and ``where``s."""
     from boost_compile.backend import boost_backend
 
     graphs = []
 
     def counting(gm, inputs):
-        graphs.append(sum(n.target is torch._grouped_mm for n in gm.graph.nodes))
-        return boost_backend(gm, inputs)
+        ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        graphs.append((ops.count(torch._grouped_mm), ops.count(torch.where)))
+        return boost_backend(gm, inputs, options)
 
+    return lambda m: torch.compile(m, backend=counting), graphs
+
+
+def test_backend_boost_fp32_traces_the_masked_products_in_one_graph():
+    """fp32 on the CPU: no grouped kernel under compile, so each expert matrix is computed for every
+    row and each row keeps its own expert's (4 experts x 6 factors of a CoLA block: 24 wheres), in
+    one graph (aot_eager inside the boost passes); the parity rule against eager and fp64."""
+    compile_fn, graphs = _graphs_of({"inner": "aot_eager"})
+    check_against_eager(moe_model(n_layers=1), compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe fp32")
+    assert graphs == [(0, 24)]
+
+
+def test_backend_boost_bf16_puts_the_grouped_gemms_in_the_graph():
+    """In bf16 ``torch._grouped_mm`` traces (Inductor compiles it): one graph, 6 grouped GEMMs in a CoLA
+    MoE block (3 matrices x 2 factors), and the parity rule against eager bf16 and fp64."""
+    compile_fn, graphs = _graphs_of()
     model = moe_model(n_layers=1).to(torch.bfloat16)
-    check_against_eager(model, lambda m: torch.compile(m, backend=counting), lambda m, _: m(TOKENS, TARGETS),
-                        what="tiny-moe bf16")
-    assert graphs == [6]
+    check_against_eager(model, compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe bf16")
+    assert graphs == [(6, 0)]
 
 
 @pytest.mark.parametrize(("overrides", "words"), [

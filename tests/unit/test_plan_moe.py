@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from boost_compile.costmodel.hardware import load_hardware
 from boost_compile.plan.memory import PRECISIONS, memory
@@ -152,3 +153,17 @@ def test_auto_can_choose_expert_parallelism():
     chosen, rows = choose_layout(tc, world=4, per_node=4, device_type="cpu")
     assert any(r.layout.ep > 1 for r in rows)
     assert chosen.parallel.ep == chosen.parallel.dp == 4 and chosen.parallel.pp == 1 and chosen.parallel.dp_shard == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-dense"])
+def test_the_reference_moe_presets_are_the_models_boost_train_builds(preset):
+    """The planner's view of an MoE preset: the parameters of the model itself, and no TP above 1 for
+    the low-rank one (boost-train refuses btp on its routers and experts)."""
+    from boost_compile.models import Llama, LlamaConfig
+
+    spec = from_preset(preset)
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset(preset))
+    assert spec.moe and spec.num_params() == sum(p.numel() for p in model.parameters())
+    tps = {lo.tp for lo in layouts(job(spec, 4, batch=16, seq=64))}
+    assert tps == ({1} if preset == "tiny-moe" else {1, 2})  # tiny: 2 kv heads
