@@ -97,11 +97,14 @@ def to_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: di
 
 def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
     """Expert parallelism: each rank's experts (``_boost_ep``), and their optimizer state, as
-    DTensors ``Shard(0)`` of the whole over ``mesh`` (the dp ranks they are sharded over), so DCP
+    DTensors ``Shard(0)`` of the whole over ``mesh`` (the dp ranks they are sharded over; a 2-D
+    ``(edp, ep)`` mesh where groups of ranks hold the same experts: ``Replicate(), Shard(0)``), so DCP
     saves every rank's experts where they belong and loads them into any other ``ep`` or into one
     process. Plain tensors under one name would be taken for replicas: one rank's experts saved
     for all. New dicts, as :func:`to_saved`'s."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
 
     shards = {name: p._boost_ep for name, p in model.named_parameters() if getattr(p, "_boost_ep", None) is not None}
 
@@ -110,7 +113,7 @@ def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_s
         if shard is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
             return t
         shape = torch.Size((shard.total, *t.shape[1:]))
-        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=shape,
+        return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
     return {name: wrap(name, t) for name, t in model_sd.items()}, map_optim_state(optim_sd, wrap)

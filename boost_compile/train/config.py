@@ -160,10 +160,12 @@ class ParallelConfig:
     """Expert parallelism: each mixture-of-experts layer's experts sharded by expert over this many
     data-parallel ranks, every rank's tokens sent to their experts' rank by all-to-all and back
     (``boost_compile.expert_parallel_``; attention, routers and shared experts stay whole, under
-    DDP). It borrows the data-parallel ranks: for now ``ep`` equals ``dp`` (no tp, pp, dp_shard or
-    zero with it). Each rank builds and holds only its experts; a checkpoint saves them as shards of
-    the whole, so it resumes under any other ``ep`` or in one process. The model must have experts
-    modules of transformers' form (a Hugging Face MoE); anything else is refused by name."""
+    DDP). It borrows the data-parallel ranks: ``ep`` divides ``dp``, each group of ``ep`` consecutive dp
+    ranks holds every expert once, and the ``dp / ep`` groups are replicas whose expert gradients are
+    averaged (TP megatron composes with it; pp, dp_shard and zero do not yet). Each rank builds and
+    holds only its experts; a checkpoint saves them as shards of the whole, so it resumes under any
+    other ``ep`` or in one process. The model must have experts modules of transformers' form (a
+    Hugging Face MoE, or the reference MoE presets ``tiny-moe``...); anything else is refused by name."""
     zero: int = 0
     """``1`` shards the AdamW state over the dp ranks (ZeRO stage 1, PyTorch's
     ``ZeroRedundancyOptimizer``); ``0`` keeps a whole copy on every rank."""

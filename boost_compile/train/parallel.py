@@ -63,8 +63,11 @@ class Dist:
     dp_shard: int = 1
     #: FSDP2: the mesh's dp_replicate and dp_shard dims flattened (every data-parallel rank)
     dp_mesh: Any = None
-    #: expert parallelism: the experts sharded over the dp ranks (``parallel.ep``; equal to dp)
+    #: expert parallelism: the experts sharded over groups of ``ep`` consecutive dp ranks (``parallel.ep``,
+    #: dividing dp); the ``dp / ep`` groups hold the same experts, as replicas
     ep: int = 1
+    #: with ``1 < ep < dp``: the mesh ``("edp", "ep", "tp")`` of the dp ranks cut into expert groups
+    ep_mesh: Any = None
 
     @property
     def dp_rank(self) -> int:
@@ -83,9 +86,23 @@ class Dist:
         return self.rank == 0
 
     def group(self, dim: str) -> Any:
+        """The process group of this rank along ``dim``: a mesh dim, or ``"ep"`` (the ranks its experts
+        are sharded over) and ``"edp"`` (the ranks that hold the same experts)."""
+        if dim in ("ep", "edp"):
+            if self.ep_mesh is not None:
+                return self.ep_mesh[dim].get_group()
+            if dim == "edp":
+                raise ValueError("no expert replicas: parallel.ep equals parallel.dp")
+            dim = "dp"
         if dim == "dp" and self.dp_mesh is not None:
             return self.dp_mesh.get_group()
         return None if self.mesh is None else self.mesh[dim].get_group()
+
+    @property
+    def experts_mesh(self) -> Any:
+        """The mesh a checkpoint's expert tensors are DTensors over: ``dp`` (``Shard(0)``), or with
+        replicas ``("edp", "ep")`` (``Replicate(), Shard(0)``)."""
+        return self.ep_mesh["edp", "ep"] if self.ep_mesh is not None else self.mesh["dp"]
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -160,8 +177,13 @@ def setup_distributed(tc: TrainConfig) -> Dist:
                                     **_attempt_store(rank, world, timeout))
         mesh = build_mesh(device, par.dp, par.tp, par.pp, par.dp_shard)
     dp_mesh = compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if mesh is not None and par.dp_shard > 1 else None
+    ep_mesh = None
+    if mesh is not None and 1 < par.ep < par.dp:  # dp rank = edp * ep + its place in the expert group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep_mesh = init_device_mesh(device.type, (par.dp // par.ep, par.ep, par.tp), mesh_dim_names=("edp", "ep", "tp"))
     return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
-                dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep)
+                dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep, ep_mesh=ep_mesh)
 
 
 def attempt() -> int:
@@ -225,13 +247,13 @@ def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Ten
 
 
 def shard_experts(model: nn.Module, dev: Dist) -> None:
-    """``parallel.ep``: the model's experts sharded by expert over the dp ranks
+    """``parallel.ep``: the model's experts sharded by expert over each group of ``ep`` dp ranks
     (``boost_compile.expert_parallel_``); a model without experts modules of a known form is
     refused in one line naming it."""
     from boost_compile.distributed.expert_parallel import ExpertParallelError, expert_parallel_
 
     try:
-        report = expert_parallel_(model, dev.group("dp"))
+        report = expert_parallel_(model, dev.group("ep"))
     except ExpertParallelError as exc:
         raise ConfigError(f"parallel.ep={dev.ep}: {exc}") from exc
     log.info("parallel.ep=%d: %d experts layers sharded by expert, %d experts a layer on this rank (%s of %s expert "

@@ -33,7 +33,8 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], StepOutput]
 def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
     """Clip to the global gradient norm; returns it (before clipping).
 
-    With ep, each rank's experts' squared norms are summed over the dp group. With tp, the
+    With ep, each rank's experts' squared norms are summed over its expert group (its replicas
+    hold the same gradients). With tp, the
     shards of a parameter count once (their squared norms are summed
     over the tp group, a replicated parameter's are not; under FSDP2 each TP shard's squared norm is
     first summed over its dp_shard slices); with pp, every stage's
@@ -62,14 +63,34 @@ def clip_grad_norm(model: nn.Module, max_norm: float, dev: Dist) -> float:
             whole += sq
     if dev.tp > 1:
         dist.all_reduce(sharded, group=dev.group("tp"))
-    if dev.ep > 1:  # each dp rank its own experts
-        dist.all_reduce(experts, group=dev.group("dp"))
+    if dev.ep > 1:  # each rank of the expert group its own experts
+        dist.all_reduce(experts, group=dev.group("ep"))
     total = dev.sum_over_pp(sharded + whole + experts).sqrt()
     coef = max_norm / (float(total) + 1e-6)
     if max_norm > 0 and coef < 1.0:
         for p in params:
             p.grad.mul_(coef)
     return float(total)
+
+
+def average_expert_replicas(model: nn.Module, dev: Dist) -> None:
+    """With ``ep < dp``: each expert's gradient averaged over the ``dp / ep`` ranks that hold it.
+
+    An expert's gradient on a rank is the mean over its expert group's tokens (the 1/ep inside the
+    dispatch, expert_parallel.py); the data-parallel mean over every rank's tokens is the mean of
+    those over the replicas: one all-reduce of every expert gradient, flattened, per step."""
+    if dev.ep_mesh is None:
+        return
+    grads = [p.grad for p in model.parameters() if getattr(p, "_boost_ep", None) is not None and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=dev.group("edp"))
+    flat /= dev.dp // dev.ep
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def make_optimizer_tail(
@@ -81,7 +102,7 @@ def make_optimizer_tail(
 ) -> Callable[[Callable[[], torch.Tensor]], StepOutput]:
     """``tail(reported_loss)``: what a step does once the gradients are in ``model``.
 
-    Clip (``grad_clip > 0``), step the optimizer, measure the state on the first step
+    Average the experts' gradients over their replicas (``ep < dp``), clip (``grad_clip > 0``), step the optimizer, measure the state on the first step
     (gradients and optimizer state all live), zero the gradients, step the schedule,
     and report :class:`StepOutput` with ``reported_loss()``: called last, so the step's
     loss reduction runs its collectives after the optimizer's.
@@ -89,6 +110,7 @@ def make_optimizer_tail(
     first = [True]
 
     def tail(reported_loss: Callable[[], torch.Tensor]) -> StepOutput:
+        average_expert_replicas(model, dev)
         grad_norm = clip_grad_norm(model, grad_clip, dev) if grad_clip > 0 else None
         optimizer.step()
         state = state_bytes(model, optimizer) if first[0] else None  # gradients and optimizer state all live

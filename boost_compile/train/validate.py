@@ -500,7 +500,7 @@ def check_fsdp(tc: TrainConfig) -> None:
 
 
 def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
-    """``parallel.ep > 1``: the experts sharded over the DDP ranks (and TP on the rest), and what it
+    """``parallel.ep > 1``: the experts sharded over groups of ep DDP ranks (and TP on the rest), and what it
     composes with yet."""
     par = tc.parallel
     _positive("parallel.ep", par.ep)
@@ -511,9 +511,9 @@ def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
     if others:
         raise ConfigError(f"parallel.ep={par.ep} shards the experts over the DDP ranks (with tp or not) for now: not with "
                           f"parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
-    if par.dp != par.ep:
-        raise ConfigError(f"parallel.ep={par.ep} borrows the data-parallel ranks and needs as many: set parallel.dp={par.ep} "
-                          f"(got parallel.dp={par.dp})")
+    if par.dp % par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} shards the experts over groups of ep data-parallel ranks: it must divide "
+                          f"parallel.dp={par.dp}")
     reference = shape.llama_config if shape is not None else None
     if tc.model.hf_path is None and tc.model.hf_config is None and not getattr(reference, "n_experts", 0):
         raise ConfigError(f"parallel.ep={par.ep} shards mixture-of-experts layers, and preset {tc.model.preset!r} has none; "

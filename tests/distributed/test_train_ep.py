@@ -7,6 +7,8 @@ against one process (torchrun on 127.0.0.1, gloo).
   (its state bytes say so) and metrics.jsonl carries the tokens per expert of the whole batch;
 - its checkpoint (each rank's experts saved as shards of the whole) resumes in one process, and
   (extended) under EP4, with the references' later losses;
+- EP2 over 4 data-parallel ranks (two groups holding the same experts) trains like one process and
+  its checkpoint resumes in one;
 - (extended) EP2 x TP2 (megatron) trains like one process, and its checkpoint resumes in one;
 - configs EP cannot run yet are refused in one line.
 """
@@ -82,6 +84,19 @@ def test_ep2_checkpoint_resumes_in_one_process(ep2, references, tmp_path):
     assert_train_parity(resumed, references, "EP2 -> one process", first=2)
 
 
+def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
+    """4 processes, 2 expert groups of 2 ranks: each group holds every expert once, the groups are
+    replicas whose expert gradients are averaged; its checkpoint (experts Replicate x Shard(0)) resumes
+    in one process."""
+    out = tmp_path / "run"
+    summary = torchrun(4, [*ONE, "passes=none", "parallel.dp=4", "parallel.ep=2"], out)
+    assert_train_parity(summary, references, "EP2 over DP4")
+    assert "2 experts a layer on this rank" in (out / "train.log").read_text()
+    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, references, "EP2 over DP4 -> one process", first=2)
+
+
 @pytest.mark.extended
 def test_ep2_checkpoint_resumes_under_ep4(ep2, references, tmp_path):
     _, out = ep2
@@ -106,7 +121,7 @@ def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "words"), [
     (("parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=2"), "not with parallel.dp_shard=2"),
-    (("parallel.dp=4", "parallel.ep=2"), "set parallel.dp=2"),
+    (("parallel.dp=4", "parallel.ep=3"), "must divide parallel.dp=4"),
     (("model=tiny", "parallel.dp=2", "parallel.ep=2"), "has none"),
     (("parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), "btp shards the stream"),
 ])
