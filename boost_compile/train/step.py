@@ -102,9 +102,9 @@ def make_optimizer_tail(
 ) -> Callable[[Callable[[], torch.Tensor]], StepOutput]:
     """``tail(reported_loss)``: what a step does once the gradients are in ``model``.
 
-    Average the experts' gradients over their replicas (``ep < dp``), clip (``grad_clip > 0``), step the optimizer, measure the state on the first step
-    (gradients and optimizer state all live), zero the gradients, step the schedule,
-    and report :class:`StepOutput` with ``reported_loss()``: called last, so the step's
+    Average the experts' gradients over their replicas (``ep < dp``), clip (``grad_clip > 0``),
+    step the optimizer, measure the state on the first step (gradients and optimizer state all
+    live), zero the gradients, step the schedule, and report :class:`StepOutput` with ``reported_loss()``: called last, so the step's
     loss reduction runs its collectives after the optimizer's.
     """
     first = [True]
