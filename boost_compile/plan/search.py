@@ -52,7 +52,7 @@ class Layout:
     dp_shard: int = 1
     #: ``parallel.reshard_after_forward`` (FSDP2): free a block's gathered weights after its forward
     reshard_after_forward: bool = True
-    #: ``parallel.ep``: the experts sharded by expert over the dp ranks (boost-train: ep == dp); 1: none
+    #: ``parallel.ep``: the experts sharded by expert over groups of ep dp ranks (ep divides dp); 1: none
     ep: int = 1
 
     @property
@@ -215,44 +215,48 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
 
 def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
     """Expert parallelism as boost-train runs it (``train/validate.py``'s ``check_ep``): the experts
-    sharded over every data-parallel rank (ep == dp > 1, dividing n_experts), with TP or without, never
-    with pipeline stages, FSDP2 or ZeRO-1; none for a model without experts."""
+    sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing dp and n_experts; the
+    dp / ep groups replicas of each other), with TP or without, never with pipeline stages, FSDP2 or
+    ZeRO-1; none for a model without experts."""
     spec = job.spec
     dp = job.devices // tp
-    if not spec.moe or dp < 2 or spec.n_experts % dp or job.batch % dp:
+    if not spec.moe or dp < 2 or job.batch % dp:
         return
-    for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
-        for ck in checkpoints:
-            yield Layout(tp, 1, dp, 0, 1, "1f1b", ck, plan, ep=dp)
+    for ep in (e for e in divisors(dp) if e > 1 and spec.n_experts % e == 0):
+        for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
+            for ck in checkpoints:
+                yield Layout(tp, 1, dp, 0, 1, "1f1b", ck, plan, ep=ep)
 
 
 @functools.lru_cache(maxsize=256)
-def _moe_params(spec: ModelSpec, plan: str, tp: int, stages: int, pp: int, ep: int) -> tuple[float, float, float, int]:
+def _moe_params(spec: ModelSpec, plan: str, tp: int, stages: int, pp: int,
+                ep: int) -> tuple[float, float, float, int, float]:
     """The busiest pipeline rank's parameters (its experts' share under ``ep``), those DDP all-reduces
-    (all but the experts under EP), the largest block's on one TP rank (experts whole), and the MoE
-    blocks of the busiest stage."""
+    (all but the experts under EP), the largest block's on one TP rank (experts whole), the MoE
+    blocks of the busiest stage, and its experts' parameters under EP (averaged over their replicas)."""
     cut = stage_blocks(spec, stages)
     per_rank = []
     for rank in range(pp):
         mine = range(rank, len(cut), pp)
         blocks = {b for i in mine for b in cut[i]}
         first, last = 0 in mine, len(cut) - 1 in mine
-        held = reduced = 0
+        held = reduced = experts = 0
         for t in spec.tensors():
             if t.block in blocks or (t.block < 0 and (first if t.role == "embed" else last)):
                 k = local_numel(t, plan, tp)
                 if t.role == "expert":
                     held += expert_share(k, ep)
                     reduced += 0 if ep > 1 else k
+                    experts += expert_share(k, ep) if ep > 1 else 0
                 else:
                     held, reduced = held + k, reduced + k
-        per_rank.append((held, reduced, sum(spec.moe_block(b) for b in blocks)))
+        per_rank.append((held, reduced, sum(spec.moe_block(b) for b in blocks), experts))
     blocks_numel: dict[int, int] = {}
     for t in spec.tensors():
         if t.block >= 0:
             blocks_numel[t.block] = blocks_numel.get(t.block, 0) + local_numel(t, plan, tp)
-    held, reduced, moe_stage = max(per_rank)
-    return float(held), float(reduced), float(max(blocks_numel.values())), moe_stage
+    held, reduced, moe_stage, experts = max(per_rank)
+    return float(held), float(reduced), float(max(blocks_numel.values())), moe_stage, float(experts)
 
 
 def moe_of(job: Job, layout: Layout) -> Moe | None:
@@ -260,7 +264,7 @@ def moe_of(job: Job, layout: Layout) -> Moe | None:
     spec, lo = job.spec, layout
     if not spec.moe and spec.mla is None and spec.attn_head_dim is None:
         return None
-    params, reduced, block, moe_stage = _moe_params(spec, lo.plan, lo.tp, lo.pp * lo.stages_per_rank, lo.pp, lo.ep)
+    params, reduced, block, moe_stage, experts = _moe_params(spec, lo.plan, lo.tp, lo.pp * lo.stages_per_rank, lo.pp, lo.ep)
     attn = {}
     if spec.mla is not None or spec.attn_head_dim is not None:
         names = (".self_attn.", ".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.")  # a block's attention matrices
@@ -271,7 +275,8 @@ def moe_of(job: Job, layout: Layout) -> Moe | None:
         attn = {"attn_params": float(attn_params), "attn_width": heads * (qk + v) / 2, "attn_head_dim": qk}
     return Moe(spec.dim, spec.n_experts, spec.top_k, spec.expert_width, spec.expert_rank, spec.shared_ffn_dim,
                spec.moe_layers, moe_stage, params, reduced, block, ep=lo.ep, imbalance=job.moe_imbalance,
-               ep_per_node=max(1, job.per_node // lo.tp), **attn)
+               ep_per_node=max(1, job.per_node // lo.tp), expert_params=experts,
+               replicas_across_nodes=lo.dp * lo.tp > job.per_node, **attn)
 
 
 def _sharded(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:

@@ -148,6 +148,10 @@ class Moe:
     imbalance: float = 1.1
     #: the EP group's ranks on one node (ep when the group stays in a node)
     ep_per_node: int = 1
+    #: under EP, the busiest rank's expert parameters, averaged over the dp / ep groups that hold
+    #: them (an all-reduce after DDP's), and whether those replicas lie on other nodes
+    expert_params: float = 0.0
+    replicas_across_nodes: bool = False
     #: attention priced by parameters (0: the scale model's): one rank's attention parameters per block,
     #: its attention width (local heads x the mean of qk and v head widths) and qk head width
     attn_params: float = 0.0
@@ -213,6 +217,19 @@ def attention_delta(moe: Moe, system: str, shape: sm.Shape, batch: int, seq: int
     return dense_s * (moe.attn_params / dense_params - 1) + core
 
 
+def expert_replicas_time(moe: Moe, dp: int, hw: Hardware, wl: sm.Workload) -> float:
+    """``ep < dp``: the ring all-reduce of the rank's expert gradients over the ``dp / ep`` ranks that
+    hold the same experts (one flattened tensor after the backward: exposed), over the network
+    between nodes when those ranks are on other nodes."""
+    replicas = dp // moe.ep if moe.ep > 1 else 1
+    if replicas <= 1 or not moe.expert_params:
+        return 0.0
+    size = moe.expert_params * wl.grad_bytes
+    across = moe.replicas_across_nodes and hw.internode_bus_bandwidth
+    bandwidth = hw.internode_bus_bandwidth if across else hw.allreduce_bus_bandwidth
+    return hw.collective_latency + 2 * (replicas - 1) / replicas * size / bandwidth
+
+
 def with_moe(pred: sm.Prediction, moe: Moe | None, system: str, shape: sm.Shape, *, batch: int, seq: int, tp: int,
              pp: int, dp: int, hw: Hardware, wl: sm.Workload) -> tuple[sm.Prediction, float, float]:
     """The scale model's ``pred`` (micro-batches of ``batch`` sequences) with an MoE model's blocks,
@@ -228,7 +245,7 @@ def with_moe(pred: sm.Prediction, moe: Moe | None, system: str, shape: sm.Shape,
     a2a_s = a2a * moe_path
     optimizer_s = sm.elementwise_time(wl.optimizer_bytes_per_param * moe.params, hw)
     dp_comm, _, dp_copy = sm.dp_cost(moe.reduced, dp, hw, wl)
-    dp_s = dp_comm + dp_copy
+    dp_s = dp_comm + dp_copy + expert_replicas_time(moe, dp, hw, wl)
     iteration = pred.iteration_s + extra + a2a_s + optimizer_s - pred.optimizer_s + dp_s - pred.dp_s
     return replace(pred, iteration_s=iteration, gemm_s=pred.gemm_s + extra, comm_s=pred.comm_s + a2a_s,
                    optimizer_s=optimizer_s, dp_s=dp_s), a2a_s, compute

@@ -76,9 +76,10 @@ def test_expert_parallel_rows_are_those_boost_train_runs():
     spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 4})
     every = list(layouts(job(spec, 8, per_node=4, batch=16, seq=256)))
     ep_rows = [lo for lo in every if lo.ep > 1]
-    assert ep_rows and {lo.tp for lo in ep_rows} == {2}  # tp1: ep 8 does not divide 4 experts; tp4: not the 2 kv-heads
+    # ep divides dp and the 4 experts: tp1 dp8 ep2/4, tp2 dp4 ep2/4; tp4 cannot split the 2 kv-heads
+    assert {(lo.tp, lo.dp, lo.ep) for lo in ep_rows} == {(1, 8, 2), (1, 8, 4), (2, 4, 2), (2, 4, 4)}
     for lo in ep_rows:
-        assert lo.ep == lo.dp and lo.pp == 1 and lo.dp_shard == 1 and lo.zero == 0 and spec.n_experts % lo.ep == 0
+        assert lo.dp % lo.ep == 0 and lo.pp == 1 and lo.dp_shard == 1 and lo.zero == 0 and spec.n_experts % lo.ep == 0
         assert f"parallel.ep={lo.ep}" in lo.overrides() and f"ep{lo.ep}" in lo.label()
 
 
@@ -167,3 +168,25 @@ def test_the_reference_moe_presets_are_the_models_boost_train_builds(preset):
     assert spec.moe and spec.num_params() == sum(p.numel() for p in model.parameters())
     tps = {lo.tp for lo in layouts(job(spec, 4, batch=16, seq=64))}
     assert tps == ({1} if preset == "tiny-moe" else {1, 2})  # tiny: 2 kv heads
+
+
+def test_expert_replicas_are_averaged_when_ep_is_below_dp():
+    """ep < dp: each rank's experts (n_experts / ep of them) all-reduced over the dp / ep groups that hold
+    them, priced from the expert tensors; none when the groups span every data-parallel rank."""
+    from boost_compile.plan.search import moe_of
+    from boost_compile.plan.timing import expert_replicas_time
+
+    spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 16, "hidden_size": 256})
+    j = job(spec, 8, per_node=8, batch=16)
+    ep8, ep2 = (moe_of(j, Layout(1, 1, 8, checkpoint="none", plan="megatron", ep=ep)) for ep in (8, 2))
+    experts = sum(t.numel for t in spec.tensors() if t.role == "expert")
+    assert ep2.expert_params == experts / 2 and ep8.expert_params == experts / 8
+    from boost_compile.costmodel.scale_model import Workload
+
+    hw, wl = j.hardware, Workload(seq=j.seq, batch=2)
+    assert expert_replicas_time(ep8, 8, hw, wl) == 0
+    inside = expert_replicas_time(ep2, 8, hw, wl)
+    assert inside > 0 and price(j, Layout(1, 1, 8, checkpoint="none", plan="megatron", ep=2)).step_s > 0
+    across = expert_replicas_time(moe_of(job(spec, 8, per_node=2, batch=16), Layout(1, 1, 8, checkpoint="none",
+                                                                                 plan="megatron", ep=2)), 8, hw, wl)
+    assert across > inside
