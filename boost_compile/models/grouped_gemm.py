@@ -1,0 +1,120 @@
+"""Grouped GEMM for stacked experts: rows sorted by expert times each expert's own matrix.
+
+    grouped_mm(x [N, d_in], w [E, d_in, d_out], offsets [E]) -> [N, d_out]
+    rows offsets[e-1]:offsets[e] times w[e]; rows past offsets[-1] (dropped assignments) give 0
+
+``torch._grouped_mm`` is the kernel, where it runs: bfloat16 (a CPU, or a GPU of sm90 and later),
+and float32 / float16 on the CPU; every width a multiple of 16 bytes. Traced by ``torch.compile``
+only in bfloat16 (its meta function asks for it). Everything else (float64, float32 under a
+compile, an odd width, an older GPU) goes through ``boost::grouped_mm``, a custom op whose
+implementation runs the kernel or a loop over the experts' rows: opaque to the compiler, its
+output shape known from its inputs, so a model compiles as one graph in any dtype, at the FLOPs of
+the grouped product (not once per expert).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: the kernel's rule: every stride a multiple of this many bytes
+ALIGN_BYTES = 16
+
+
+def _kernel_runs(x: Tensor, w: Tensor, traced: bool) -> bool:
+    """Whether ``torch._grouped_mm`` multiplies ``x`` by ``w`` here (``traced``: inside a compile)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if any(n * x.dtype.itemsize % ALIGN_BYTES for n in (x.shape[-1], w.shape[-1])):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.device.type != "cpu":
+        return False
+    return x.dtype == torch.bfloat16 or (not traced and x.dtype in (torch.float32, torch.float16))
+
+
+def _looped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    out = x.new_zeros(x.shape[0], w.shape[-1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e]
+        start = end
+    return out
+
+
+def _looped_weight_grad(x: Tensor, grad: Tensor, offsets: Tensor, experts: int) -> Tensor:
+    out = x.new_zeros(experts, x.shape[1], grad.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[e] = x[start:end].T @ grad[start:end]
+        start = end
+    return out
+
+
+def _tail_zeroed(out: Tensor, offsets: Tensor) -> Tensor:
+    """The kernel leaves rows past the last offset unwritten: zero them (dropped assignments)."""
+    if offsets.numel() and int(offsets[-1]) < out.shape[0]:
+        out[int(offsets[-1]):] = 0
+    return out
+
+
+@torch.library.custom_op("boost::grouped_mm", mutates_args=())
+def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    if _kernel_runs(x, w, traced=False):
+        return _tail_zeroed(torch._grouped_mm(x, w, offs=offsets), offsets)
+    return _looped(x, w, offsets)
+
+
+@_grouped_mm_op.register_fake
+def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[-1])
+
+
+@torch.library.custom_op("boost::grouped_mm_weight_grad", mutates_args=())
+def _weight_grad_op(x: Tensor, grad: Tensor, offsets: Tensor, experts: int) -> Tensor:
+    """``[E, d_in, d_out]``: for each expert, its rows of ``x`` transposed times their ``grad``."""
+    if _kernel_runs(x, grad, traced=False) and x.shape[0] % (ALIGN_BYTES // x.dtype.itemsize) == 0:
+        return torch._grouped_mm(x.t(), grad, offs=offsets)
+    return _looped_weight_grad(x, grad, offsets, experts)
+
+
+@_weight_grad_op.register_fake
+def _(x: Tensor, grad: Tensor, offsets: Tensor, experts: int) -> Tensor:
+    return x.new_empty(experts, x.shape[1], grad.shape[1])
+
+
+def _setup(ctx, inputs, output) -> None:  # noqa: ANN001 - torch.library's signature
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, grad: Tensor):  # noqa: ANN001, ANN202 - torch.library's signature
+    x, w, offsets = ctx.saved_tensors
+    grad = grad.contiguous()
+    dx = _grouped_mm_op(grad, w.transpose(1, 2).contiguous(), offsets) if ctx.needs_input_grad[0] else None
+    dw = _weight_grad_op(x, grad, offsets, w.shape[0]) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
+
+
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """``x`` [N, d_in] (rows sorted by expert, expert e's ending at ``offsets[e]``, int32) times ``w``
+    [E, d_in, d_out], each row by its expert's matrix: [N, d_out] (rows past the last offset: 0).
+    Both are cast to autocast's dtype where it is on, else computed in ``x``'s."""
+    kind = x.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # "meta" has no autocast
+        dtype = torch.get_autocast_dtype(kind)
+    else:
+        dtype = x.dtype
+    x, w = x.to(dtype), w.to(dtype)
+    if torch.compiler.is_compiling() and _kernel_runs(x, w, traced=True):
+        # the kernel leaves the rows past the last offset unwritten, forward and backward: masked
+        # on both sides (static shapes, no host read), so they give 0 and receive 0
+        kept = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(1)
+        return torch.where(kept, torch._grouped_mm(torch.where(kept, x, 0), w, offs=offsets), 0)
+    return _grouped_mm_op(x.contiguous(), w.contiguous(), offsets)
