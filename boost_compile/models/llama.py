@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -125,6 +126,27 @@ class LlamaConfig:
     a router and ``n_experts`` SwiGLU experts of width ``expert_ffn_dim`` (default ``ffn_dim``),
     ``experts_top_k`` of them per token, each expert's matrices of the model's projection kind
     (dense, or bottlenecks of rank ``rank_mlp``; LaX's crossing latents have no expert form).
+
+    What balances the router (:class:`~boost_compile.models.moe.MoE`; each is defined per sequence,
+    so every data- or expert-parallel layout gives the numbers of one process):
+
+    ``router_aux_loss_coef`` (0: off): the weight of the auxiliary load-balancing loss in the
+    gradient. Per sequence, ``aux = E * sum_e f_e * P_e`` (``f_e``: the fraction of the
+    sequence's (token, slot) assignments the router chose for expert e; ``P_e``: expert e's
+    softmax probability averaged over its tokens); the model's aux loss is the mean over the MoE
+    layers and the batch's sequences (1 for balanced routing). ``Llama.forward(tokens, targets)``
+    returns the cross-entropy whose gradient includes ``router_aux_loss_coef * aux``; its value
+    stays the cross-entropy (see :meth:`Llama.forward`).
+
+    ``expert_capacity_factor`` (None: dropless): each expert takes at most
+    ``ceil(cf * seq * experts_top_k / n_experts)`` of a sequence's assignments, in token order then
+    slot order; the others are dropped (the token keeps its residual and its other slots; the kept
+    weights are not renormalised again).
+
+    ``router_bias_rate`` (0: off): DeepSeek-V3's auxiliary-loss-free balancing. A per-expert bias
+    (buffer ``router_bias``, float32, saved in checkpoints) is added to the router's scores to
+    choose the experts, not to weight them; after every optimizer step boost-train moves it by
+    ``rate * sign(mean load - load_e)``, the loads summed over the step's whole batch.
     """
 
     vocab_size: int
@@ -145,6 +167,9 @@ class LlamaConfig:
     n_experts: int = 0
     experts_top_k: int = 2
     expert_ffn_dim: int | None = None
+    router_aux_loss_coef: float = 0.0
+    expert_capacity_factor: float | None = None
+    router_bias_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -197,6 +222,7 @@ class LlamaConfig:
     def _check_experts(self) -> None:
         if not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise ValueError(f"n_experts must be a non-negative integer (0: dense MLPs), got {self.n_experts!r}")
+        self._check_balance()
         if not self.n_experts:
             return
         if self.projection == "lax":
@@ -208,6 +234,24 @@ class LlamaConfig:
             self.expert_ffn_dim = self.ffn_dim
         if not isinstance(self.expert_ffn_dim, int) or self.expert_ffn_dim < 1:
             raise ValueError(f"expert_ffn_dim must be a positive integer, got {self.expert_ffn_dim!r}")
+
+    def _check_balance(self) -> None:
+        """The router's balance and capacity: numbers in range, and only for a mixture of experts."""
+        def number(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        for name in ("router_aux_loss_coef", "router_bias_rate"):
+            value = getattr(self, name)
+            if not number(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0 (0: off), got {value!r}")
+        cf = self.expert_capacity_factor
+        if cf is not None and (not number(cf) or cf <= 0):
+            raise ValueError(f"expert_capacity_factor must be a number > 0 (null: dropless), got {cf!r}")
+        used = [name for name in ("router_aux_loss_coef", "router_bias_rate", "expert_capacity_factor")
+                if getattr(self, name)]
+        if used and not self.n_experts:
+            raise ValueError(f"{', '.join(used)} balance a mixture of experts' router; set n_experts > 0 "
+                             "(or use model=tiny-moe)")
 
     @property
     def moe(self) -> bool:
@@ -392,7 +436,9 @@ def make_mlp(config: LlamaConfig) -> nn.Module:
     activation = "silu" if config.projection == "cola" else None
     if config.bias:
         raise ValueError("n_experts: the experts have no biases; use bias=False")
-    return MoE(config.dim, config.expert_ffn_dim, config.n_experts, config.experts_top_k, rank, activation)
+    return MoE(config.dim, config.expert_ffn_dim, config.n_experts, config.experts_top_k, rank, activation,
+               aux_loss_coef=config.router_aux_loss_coef, capacity_factor=config.expert_capacity_factor,
+               bias_rate=config.router_bias_rate)
 
 
 class Block(nn.Module):
@@ -462,6 +508,8 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
             elif isinstance(module, Experts):
                 module.reset_parameters()
+            elif isinstance(module, MoE):
+                module.reset_balance()
             elif isinstance(module, (nn.RMSNorm, nn.LayerNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
@@ -477,6 +525,15 @@ class Llama(nn.Module):
         self.rope_sin.copy_(sin.to(self.rope_sin.device))
 
     def forward(self, tokens: Tensor, targets: Tensor | None = None) -> Tensor:
+        """Logits [b, s, vocab]; with ``targets`` the mean cross-entropy.
+
+        With ``router_aux_loss_coef`` > 0, in training, the loss's gradient also has the routers'
+        balance loss: ``ce + coef * (aux - aux.detach())`` adds exactly zero to the value (the
+        cross-entropy, comparable with runs without it) and ``coef * d aux`` to the gradient, so it
+        is scaled as the loss is (gradient accumulation's ``1 / micro_steps``, DDP's mean). ``aux``
+        is the mean over the MoE layers of their :attr:`MoE.aux_loss`. Without ``targets`` the
+        layers' aux losses are left on them (``layer.mlp.aux_loss``) for a loss of the caller's own.
+        """
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
@@ -495,7 +552,21 @@ class Llama(nn.Module):
         logits = logits.flatten(0, 1)
         if logits.dtype != torch.float64:  # the loss in fp32 (bf16 logits upcast), an fp64 model's in fp64
             logits = logits.float()
-        return F.cross_entropy(logits, targets.flatten())
+        loss = F.cross_entropy(logits, targets.flatten())
+        aux = self._router_aux_loss()
+        if aux is not None:  # zero in value, the balance loss's gradient in the backward
+            loss = loss + self.config.router_aux_loss_coef * (aux - aux.detach()).to(loss.dtype)
+        return loss
+
+    def _router_aux_loss(self) -> Tensor | None:
+        """The mean of the MoE layers' balance losses of this forward (taken off them), or None."""
+        losses = []
+        for layer in self.layers:
+            moe = getattr(layer, "mlp", None)
+            if isinstance(moe, MoE) and moe.aux_loss is not None:
+                losses.append(moe.aux_loss)
+                moe.aux_loss = None
+        return torch.stack(losses).mean() if losses else None
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""
@@ -553,6 +624,9 @@ class Llama(nn.Module):
             model = cls(LlamaConfig(**config))
         apply_lowrank_layout(model, layers)
         model.to_empty(device=device or "cpu")
+        for module in model.modules():  # the routers' step counts (not saved) start at zero
+            if isinstance(module, MoE):
+                module.reset_balance()
         if model.config.tie_embeddings:  # to_empty off meta makes a new tensor per module
             model.output.weight = model.tok_embeddings.weight
         model.reset_rope()

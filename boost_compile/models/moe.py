@@ -2,7 +2,21 @@
 ``n_experts`` SwiGLU experts, whose outputs are weighted by the router's renormalised scores.
 
     MoE.forward   x [b, s, d] -> router logits -> softmax -> top_k (weights renormalised)
+                  [-> capacity: a sequence's assignments past an expert's capacity dropped]
                   -> Experts(tokens, top_k_index, top_k_weights) -> [b, s, d]
+
+What balances the router (:class:`MoE`; every one is defined per sequence, so a batch split over
+data-parallel or expert-parallel ranks gives the numbers of one process):
+
+- ``aux_loss_coef``: the auxiliary load-balancing loss (Switch Transformer's form, computed per
+  sequence as DeepSeek-V3's sequence-wise balance loss), ``E * sum_e f_e * P_e`` per sequence;
+- ``capacity_factor``: each expert takes at most ``ceil(cf * s * top_k / E)`` of a sequence's
+  assignments, the others dropped (the sentinel index ``E``, weight 0: the token keeps its residual);
+- ``bias_rate``: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert bias added to the scores
+  for the selection only, moved after every optimizer step (:meth:`MoE.update_bias`).
+
+In training (``self.training`` and grad enabled) each layer counts its routing in buffers, read
+and reset after every step by :mod:`boost_compile.train.moe_balance` (metrics, bias updates).
 
 :class:`Experts` keeps every expert's weights stacked, ``[n_experts, d_in, d_out]``: dense
 ``gate`` / ``up`` / ``down`` matrices, or each of them as two bottleneck factors of rank ``r``
@@ -22,6 +36,7 @@ expert's product (:func:`masked_mm`, ``n_experts`` times the FLOPs, in static sh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -63,7 +78,8 @@ def grouped_kernel(x: Tensor, widths: tuple[int, ...]) -> bool:
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """``x`` [N, d_in] (rows sorted by expert, expert e's ending at ``offsets[e]``) times ``w``
-    [E, d_in, d_out], each row by its expert's matrix: [N, d_out]."""
+    [E, d_in, d_out], each row by its expert's matrix: [N, d_out]. Rows past the last offset are
+    left unwritten by the kernel (any values, NaN included): :meth:`Experts.forward` masks them."""
     dtype = _compute_dtype(x)
     return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
 
@@ -83,14 +99,17 @@ def masked_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 
 
 def looped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """:func:`grouped_mm` as a loop over the experts (any dtype and device; reads the offsets on the host)."""
+    """:func:`grouped_mm` as a loop over the experts (any dtype and device; reads the offsets on the host);
+    rows past the last offset give zeros."""
     dtype = _compute_dtype(x)
     if offsets.is_meta:  # a capture on the meta device (parallelize_'s): shapes only, no counts to read
         return x.new_empty(x.shape[0], w.shape[-1], dtype=dtype)
     ends = offsets.tolist()
     starts = [0, *ends[:-1]]
     parts = [x[a:b].to(dtype) @ w[e].to(dtype) for e, (a, b) in enumerate(zip(starts, ends, strict=True))]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1], dtype=dtype)
+    past = x.shape[0] - (ends[-1] if ends else 0)  # rows past the last offset (dropped assignments): zeros
+    parts.append(x.new_zeros(past, w.shape[-1], dtype=dtype))
+    return torch.cat(parts)
 
 
 class Experts(nn.Module):
@@ -156,40 +175,166 @@ class Experts(nn.Module):
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``hidden`` [T, d]; token t's output is the sum over its k slots of ``top_k_weights[t, j]``
-        times expert ``top_k_index[t, j]`` of it, added in expert order."""
+        times expert ``top_k_index[t, j]`` of it, added in expert order. A slot whose index is the
+        sentinel ``num_experts`` (an assignment dropped by a capacity) adds exactly nothing."""
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)  # the sentinel sorts last: rows past the last offset
         token = torch.div(order, k, rounding_mode="floor")
         experts = torch.arange(self.num_experts, device=flat.device)
         offsets = (flat.unsqueeze(1) == experts).sum(0).cumsum(0).to(torch.int32)
         rows = hidden[token]
-        out = self._mlp(rows, offsets, self._products(rows))
+        mm = self._products(rows)
+        past = None
+        if mm is grouped_mm:  # the kernel leaves rows past the last offset unwritten, in both directions
+            past = (flat[order] >= self.num_experts).unsqueeze(1)
+            rows = rows.masked_fill(past, 0)  # its backward: no gradient from those rows reaches hidden
+        out = self._mlp(rows, offsets, mm)
         weight = top_k_weights.reshape(-1)[order].unsqueeze(1)
-        return torch.zeros_like(hidden).index_add(0, token, (out * weight).to(hidden.dtype))
+        contribution = (out * weight).to(hidden.dtype)
+        if past is not None:
+            contribution = contribution.masked_fill(past, 0)
+        return torch.zeros_like(hidden).index_add(0, token, contribution)
+
+
+#: MoE's buffers kept in float32 (or float64) when the model is cast to bf16 or fp16: a bias that
+#: moves by ``bias_rate`` a step, and sums of the step's balance losses
+FP32_BUFFERS = ("router_bias", "aux_stats")
 
 
 class MoE(nn.Module):
     """Router and experts: each token to its ``top_k`` experts by softmax score, the chosen scores
-    renormalised to sum to one (Mixtral's and Qwen3-MoE's routing)."""
+    renormalised to sum to one (Mixtral's and Qwen3-MoE's routing).
+
+    Balancing (each per sequence: the numbers do not depend on how the batch is split over ranks):
+
+    - ``aux_loss_coef`` > 0: in training, the layer leaves :attr:`aux_loss`, the mean over the batch's
+      sequences of ``E * sum_e f_e * P_e`` (``f_e``: the fraction of the sequence's (token, slot)
+      assignments the router chose for expert e, before any drop; ``P_e``: expert e's softmax
+      probability averaged over the sequence's tokens); only ``P`` carries a gradient (to the
+      router). :class:`~boost_compile.models.llama.Llama` adds it to its loss (see there).
+      Its minimum over ``P`` for balanced choices is 1.
+    - ``capacity_factor``: each expert takes at most ``ceil(cf * s * top_k / E)`` of a sequence's
+      assignments, first come first served in token order, then slot order; the others get the
+      sentinel index ``E`` and weight 0 (the token keeps its residual; the kept weights are not
+      renormalised again). None: dropless.
+    - ``bias_rate`` > 0: the buffer ``router_bias`` [E] (float32, zeros, saved in checkpoints) is
+      added to the scores to choose the top_k; the weights are the unbiased scores.
+      :meth:`update_bias` moves it after each optimizer step (DeepSeek-V3's loss-free balancing).
+
+    Counting (training forwards only: ``self.training`` and grad enabled, so evaluation and
+    no-grad forwards do not count): ``routed_tokens`` [2, E] the step's assignments chosen (row 0)
+    and kept (row 1) per expert, ``aux_stats`` [2] the sum of the sequences' balance losses and
+    the number of sequences; :mod:`boost_compile.train.moe_balance` reads and resets them.
+    """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, rank: int | None = None,
-                 activation: str | None = None) -> None:
+                 activation: str | None = None, *, aux_loss_coef: float = 0.0,
+                 capacity_factor: float | None = None, bias_rate: float = 0.0) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
-        self.top_k = top_k
+        if aux_loss_coef < 0 or bias_rate < 0:
+            raise ValueError(f"aux_loss_coef and bias_rate must be >= 0, got {aux_loss_coef}, {bias_rate}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (None: dropless), got {capacity_factor}")
+        self.top_k, self.num_experts = top_k, num_experts
+        self.aux_loss_coef, self.capacity_factor, self.bias_rate = float(aux_loss_coef), capacity_factor, float(bias_rate)
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = Experts(num_experts, dim, ffn_dim, rank, activation)
+        if bias_rate > 0:
+            self.register_buffer("router_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("routed_tokens", torch.zeros(2, num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("aux_stats", torch.zeros(2, dtype=torch.float32), persistent=False)
+        #: the last training forward's balance loss (``aux_loss_coef`` > 0), taken by the model's loss
+        self.aux_loss: Tensor | None = None
+
+    def capacity(self, seq: int) -> int:
+        """The assignments of a sequence of ``seq`` tokens each expert takes: ``ceil(cf * seq * top_k / E)``."""
+        assert self.capacity_factor is not None
+        return math.ceil(self.capacity_factor * seq * self.top_k / self.num_experts)
+
+    def route(self, scores: Tensor) -> tuple[Tensor, Tensor]:
+        """The top_k experts of each token (by ``scores + router_bias`` with a bias) and their weights,
+        the unbiased scores renormalised over the chosen: ``(index [T, k], weights [T, k])``."""
+        bias = getattr(self, "router_bias", None)
+        if bias is None:
+            weights, index = scores.topk(self.top_k, dim=-1)
+        else:
+            index = (scores + bias.to(scores.dtype)).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, index)
+        return index, weights / weights.sum(-1, keepdim=True)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         logits = self.router(tokens)
         scores = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(-1)
-        weights, index = scores.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        index, weights = self.route(scores)
+        counting = self.training and torch.is_grad_enabled()
+        if self.capacity_factor is None and not counting:
+            return self.experts(tokens, index, weights.to(tokens.dtype)).view(b, s, d)
+        e, n = self.num_experts, s * self.top_k
+        per_seq = index.view(b, n)  # a sequence's assignments in token order, then slot order
+        chosen = torch.zeros(b, e, dtype=torch.long, device=x.device).scatter_add(1, per_seq, torch.ones_like(per_seq))
+        kept = chosen
+        if self.capacity_factor is not None:
+            capacity = self.capacity(s)
+            keep = within_capacity(per_seq, chosen, capacity).view(b * s, self.top_k)
+            index = torch.where(keep, index, e)
+            weights = torch.where(keep, weights, 0)
+            kept = chosen.clamp(max=capacity)
+        if counting:
+            probs = scores.view(b, s, e).mean(1)  # P [b, E]
+            aux = e * ((chosen.to(probs.dtype) / n) * probs).sum(-1)  # [b]: E * sum_e f_e P_e per sequence
+            if self.aux_loss_coef > 0:
+                self.aux_loss = aux.mean()
+            with torch.no_grad():
+                self.routed_tokens.add_(torch.stack((chosen.sum(0), kept.sum(0))))
+                self.aux_stats.add_(torch.stack((aux.detach().sum(), aux.new_full((), b))).to(self.aux_stats.dtype))
         return self.experts(tokens, index, weights.to(tokens.dtype)).view(b, s, d)
+
+    @torch.no_grad()
+    def update_bias(self, load: Tensor) -> None:
+        """DeepSeek-V3's update after an optimizer step: ``bias_e += bias_rate * sign(mean(load) - load_e)``,
+        ``load`` [E] the assignments the router chose for each expert over the step's whole batch
+        (every data-parallel rank's), so every rank moves its bias alike."""
+        bias = getattr(self, "router_bias", None)
+        if bias is None:
+            return
+        load = load.to(device=bias.device, dtype=torch.float64)
+        bias.add_((torch.sign(load.mean() - load) * self.bias_rate).to(bias.dtype))
+
+    @torch.no_grad()
+    def reset_balance(self) -> None:
+        """Zero the bias and this step's counts (a fresh model)."""
+        for name in ("router_bias", "routed_tokens", "aux_stats"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).zero_()
+        self.aux_loss = None
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MoE:
+        """``nn.Module._apply`` (``to``, ``cuda``, ``bfloat16``, ...) keeping :data:`FP32_BUFFERS` in
+        at least float32: a bias of bf16 would not move by a small ``bias_rate`` at all."""
+        before = {n: self._buffers[n] for n in FP32_BUFFERS if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.is_floating_point() and new.dtype.itemsize < 4:
+                self._buffers[name] = (new if old.is_meta else old.to(new.device)).float()
+        return self
+
+
+def within_capacity(index: Tensor, chosen: Tensor, capacity: int) -> Tensor:
+    """Whether each assignment is among its expert's first ``capacity`` in its sequence: ``index``
+    [b, n] (a sequence's assignments in order), ``chosen`` [b, E] its counts per expert; [b, n] bool.
+    A stable sort by expert keeps each expert's assignments in order; an assignment's place among
+    them is its position in the sort less where its expert's run starts."""
+    n = index.shape[1]
+    order = torch.argsort(index, dim=-1, stable=True)
+    starts = (chosen.cumsum(-1) - chosen).gather(-1, index.gather(-1, order))
+    place = torch.arange(n, device=index.device) - starts
+    return torch.empty_like(place).scatter(-1, order, place) < capacity
 
 
 def experts_params(num_experts: int, dim: int, ffn_dim: int, rank: int | None) -> int:
