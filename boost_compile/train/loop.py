@@ -47,6 +47,7 @@ from boost_compile.train.metrics import (
     write_summary,
 )
 from boost_compile.train.model import fit_vocab
+from boost_compile.train.moe_balance import after_step as moe_after_step
 from boost_compile.train.optim import make_optimizer
 from boost_compile.train.parallel import Dist, ModelParts, attempt, build_model_parts, global_numel
 from boost_compile.train.replica_streams import seed_replica, seed_resumed_replica
@@ -316,6 +317,8 @@ class Trainer:
                     with (reported_collectives(dev, f"the training step ({collectives})", step, timeout_s),
                           self.memory_report.step(step)):
                         out = step_fn(inputs.to(dev.device), targets.to(dev.device))
+                        # the reference MoE: routing over the global batch, router biases moved (all-reduces)
+                        moe = moe_after_step(ckpt.model, dev.group("dp"), dev.group("pp") if dev.pp > 1 else None)
                     self.faults.after_step(step)
                     ckpt.poll()
                     now = time.perf_counter()
@@ -338,6 +341,7 @@ class Trainer:
                         row["grad_norm"] = out.grad_norm
                     if dev.ep > 1:  # tokens per expert over every rank (an all-reduce)
                         row.update(expert_load(ckpt.model, dev.group("dp")))
+                    row.update(moe)  # the reference MoE's own counts (the same tokens under ep)
                     metrics.write(row)
                     progress.step(step, out.loss, out.lr, step_s, first)
                     if tr.eval_every and step % tr.eval_every == 0 and step != tr.steps:

@@ -55,6 +55,8 @@ TENSORBOARD_TAGS = {
     "mfu": "train/mfu",
     "grad_norm": "train/grad_norm",
     "experts_max_over_mean": "moe/tokens_max_over_mean",
+    "moe_aux_loss": "moe/aux_loss",
+    "moe_dropped": "moe/dropped",
     "step_s": "train/step_s",
     "val_loss": "val/loss",
 }

@@ -400,6 +400,9 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
             "projection's latent of the previous block, and pipeline stages pass only the residual stream between "
             "them (a block's latents cannot reach the next stage); use parallel.pp=1"
         )
+    if shape.kind == "preset" and shape.llama_config.router_aux_loss_coef > 0:
+        raise ConfigError(f"parallel.pp={par.pp}: model.overrides.router_aux_loss_coef adds every block's balance loss "
+                          "to the loss, which only the last stage computes; use parallel.pp=1 or router_aux_loss_coef=0")
     if par.tp > 1 and par.plan == "vanilla":
         raise ConfigError(
             "parallel.pp with parallel.tp > 1 takes parallel.plan=btp or megatron (their stages pass the stream "
