@@ -98,6 +98,15 @@ def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
 
 
 @pytest.mark.extended
+def test_ep2_checkpoint_resumes_under_fsdp2(ep2, references, tmp_path):
+    """The experts' Shard(0) DTensors of the whole, read into FSDP2's shards of every parameter."""
+    _, out = ep2
+    resumed = torchrun(2, [*ONE, "passes=none", "parallel.dp_shard=2", "trainer.resume=true",
+                           f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"], tmp_path / "fsdp2")
+    assert_train_parity(resumed, references, "EP2 -> FSDP2 2", first=2)
+
+
+@pytest.mark.extended
 def test_ep2_checkpoint_resumes_under_ep4(ep2, references, tmp_path):
     _, out = ep2
     resumed = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.dp=4", "parallel.ep=4", "trainer.resume=true",
