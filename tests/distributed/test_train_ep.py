@@ -159,3 +159,69 @@ def test_boost_bench_ep_runs_the_three_layouts(tmp_path, capsys):
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith(("| EP2", "| TP2", "| FSDP2"))]
     assert len(rows) == 3 and (tmp_path / "ep.json").is_file()
+
+
+# ----------------------------------------------------------------------------- the router's balance and capacity
+
+#: the reference MoE balanced three ways at once: the aux loss, a capacity (which drops), the loss-free bias
+BALANCE = ("+model.overrides.router_aux_loss_coef=0.01", "+model.overrides.expert_capacity_factor=1.0",
+           "+model.overrides.router_bias_rate=0.001")
+BALANCED = (*FAST, *MOE, *BALANCE, "trainer.steps=4", "checkpoint=off")
+
+
+@pytest.fixture(scope="module")
+def balanced_references(tmp_path_factory):
+    return train_references(BALANCED, tmp_path_factory.mktemp("balanced"))
+
+
+def _step_rows(run_dir) -> list[dict]:
+    from pathlib import Path
+
+    return [r for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "loss" in r and "step" in r]
+
+
+def _assert_balanced_like_one_process(summary, references, what):
+    """The parity rule on the losses, and the same routing step by step: the tokens each expert
+    received (integers) and the dropped fraction equal one process's, the aux loss within rounding."""
+    assert_train_parity(summary, references, what)
+    rows, one = _step_rows(summary["run_dir"]), _step_rows(references[0]["run_dir"])
+    assert len(rows) == len(one) == 4
+    assignments = 4 * 32 * 2  # trainer=quick's batch x seq, top 2, per layer
+    for r, o in zip(rows, one, strict=True):
+        assert r["experts_tokens"] == o["experts_tokens"] and len(r["experts_tokens"]) == 2
+        assert r["moe_dropped"] == o["moe_dropped"] and 0.0 <= r["moe_dropped"] < 1.0
+        kept = sum(sum(layer) for layer in r["experts_tokens"])
+        assert kept == pytest.approx(2 * assignments * (1 - r["moe_dropped"]))
+        assert r["moe_aux_loss"] == pytest.approx(o["moe_aux_loss"], rel=1e-5) and 0.9 < r["moe_aux_loss"] < 2.0
+        assert r["experts_max_over_mean"] >= 1.0
+
+
+def test_balanced_moe_under_ep2_trains_like_one_process(balanced_references, tmp_path):
+    """Aux loss, capacity and bias, each per sequence, under EP2: one process's losses (parity rule)
+    and its routing, which the global counts' bias update keeps identical."""
+    summary = torchrun(2, [*BALANCED, "passes=none", "parallel=ep2"], tmp_path / "run")
+    _assert_balanced_like_one_process(summary, balanced_references, "EP2 balanced")
+
+
+@pytest.mark.extended
+def test_balanced_moe_with_gradient_accumulation_under_ep2(balanced_references, tmp_path):
+    """Two micro-steps a rank (trainer.local_batch=1): each micro-step's aux loss scaled as its loss."""
+    summary = torchrun(2, [*BALANCED, "passes=none", "parallel=ep2", "trainer.local_batch=1"], tmp_path / "run")
+    _assert_balanced_like_one_process(summary, balanced_references, "EP2 balanced, 2 micro-steps")
+
+
+@pytest.mark.extended
+def test_balanced_moe_under_dp2_trains_like_one_process_and_resumes(balanced_references, tmp_path):
+    """DDP without expert parallelism, compiled by boost block by block: the counts summed over the
+    replicas; its checkpoint carries the router biases, and resumes in one process."""
+    out = tmp_path / "run"
+    summary = torchrun(2, [*BALANCED, "passes=boost_aot_eager", "parallel=dp2", "checkpoint=default",
+                           "trainer.save_every=2"], out)
+    _assert_balanced_like_one_process(summary, balanced_references, "DP2 balanced (compiled)")
+    from conftest import checkpoint_model
+
+    biases = [t for k, t in checkpoint_model(out / "checkpoints" / "step_000002").items() if k.endswith("router_bias")]
+    assert len(biases) == 2 and all(b.abs().max() > 0 for b in biases)  # moved twice by +-0.001 an expert
+    resumed = run(cfg_of(*BALANCED, "passes=none", "checkpoint=default", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, balanced_references, "DP2 balanced -> one process", first=2)
