@@ -509,15 +509,18 @@ def materialize_(model: nn.Module, source: WeightSource, device: torch.device | 
 
     if any(p.is_meta and hasattr(p, "to_local") for p in model.parameters()):
         buffers = dict(model.named_buffers())
-        # before to_empty replaces them: each name and TP spec
-        sharded = [(key(n), getattr(p, "_boost_tp", None)) for n, p in model.named_parameters()]
+        # before to_empty replaces them: each name, TP spec and experts (expert parallelism's, FSDP2 ignores)
+        sharded = [(key(n), getattr(p, "_boost_tp", None), getattr(p, "_boost_ep", None))
+                   for n, p in model.named_parameters()]
         model.to_empty(device=device)  # FSDP2 re-creates its shards' storage here
         for name, b in model.named_buffers():
             if name in buffers and not buffers[name].is_meta:
                 b.copy_(buffers[name])
-        for (name, spec), p in zip(sharded, model.parameters(), strict=True):
+        for (name, spec, experts), p in zip(sharded, model.parameters(), strict=True):
             if spec is not None:  # to_empty made new parameters: the TP spec back on them
                 p._boost_tp = spec
+            if experts is not None:
+                p._boost_ep = experts
             local = p.to_local() if hasattr(p, "to_local") else p
             local.copy_(values(name, p, spec))
         return

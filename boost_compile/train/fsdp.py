@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from boost_compile.blocks import find_blocks, find_head
+from boost_compile.distributed.expert_parallel import is_expert_parameter
 from boost_compile.distributed.host_comms import use_in_place_host_comms
 
 log = logging.getLogger("boost_compile.train")
@@ -120,6 +121,8 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
         if precision == "bf16-mixed" else MixedPrecisionPolicy()
     units = fsdp_units(model)
     specs = tp_specs_by_name(model)
+    # expert parallelism's experts: already this rank's own, their gradients averaged by the step
+    experts = {p for p in model.parameters() if is_expert_parameter(p)} or None
     head = units[-1] if units and units[-1][-1] == find_head(model, find_blocks(model)) else None
     for unit in units:
         modules = [model.get_submodule(n) for n in unit]
@@ -127,12 +130,13 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
         # (torchtitan keeps them too); and a vocabulary-parallel head's eager logits (VocabShardedLogits)
         # are not a tensor FSDP2 hooks its re-gather for the backward on
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=reshard_after_forward and unit is not head)
+                    reshard_after_forward=reshard_after_forward and unit is not head, ignored_params=experts)
         if reshard_after_forward and all(_backward_reads_no_weight(m) for m in modules):
             modules[0].set_unshard_in_backward(False)
             log.info("FSDP2: %s is not gathered again for its backward (a plain embedding reads no weight there)",
                      "+".join(unit))
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the backward needs it first
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False,  # the backward needs it first
+                ignored_params=experts)
     prefetch(model, units)
     if use_in_place_host_comms([model, *(model.get_submodule(unit[0]) for unit in units)], mesh):
         log.info("FSDP2 on host memory: all-gathers and reduce-scatters in place, one call per rank (gloo's own "

@@ -102,7 +102,9 @@ class Dist:
     def experts_mesh(self) -> Any:
         """The mesh a checkpoint's expert tensors are DTensors over: ``dp`` (``Shard(0)``), or with
         replicas ``("edp", "ep")`` (``Replicate(), Shard(0)``)."""
-        return self.ep_mesh["edp", "ep"] if self.ep_mesh is not None else self.mesh["dp"]
+        if self.ep_mesh is not None:
+            return self.ep_mesh["edp", "ep"]
+        return self.dp_mesh if self.dp_mesh is not None else self.mesh["dp"]
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -178,10 +180,11 @@ def setup_distributed(tc: TrainConfig) -> Dist:
         mesh = build_mesh(device, par.dp, par.tp, par.pp, par.dp_shard)
     dp_mesh = compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if mesh is not None and par.dp_shard > 1 else None
     ep_mesh = None
-    if mesh is not None and 1 < par.ep < par.dp:  # dp rank = edp * ep + its place in the expert group
+    if mesh is not None and 1 < par.ep < par.data_ranks:  # data rank = edp * ep + its place in the expert group
         from torch.distributed.device_mesh import init_device_mesh
 
-        ep_mesh = init_device_mesh(device.type, (par.dp // par.ep, par.ep, par.tp), mesh_dim_names=("edp", "ep", "tp"))
+        ep_mesh = init_device_mesh(device.type, (par.data_ranks // par.ep, par.ep, par.tp),
+                                   mesh_dim_names=("edp", "ep", "tp"))
     return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
                 dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep, ep_mesh=ep_mesh)
 
@@ -421,7 +424,7 @@ def build_model_parts(
             source = None
     if dev.ep > 1:
         shard_experts(model, dev)
-        if source is not None:
+        if source is not None and dev.dp_shard == 1:  # under FSDP2: its experts beside its shards, once sharded
             materialize_part(model, source, dev.device, "its experts, TP shards and replicated weights")
             source = None
     cast_weights(model, tc.trainer.precision)

@@ -509,14 +509,16 @@ def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
     _positive("parallel.ep", par.ep)
     if par.ep == 1:
         return
-    others = [f"{name}={getattr(par, name)}" for name in ("pp", "dp_shard") if getattr(par, name) > 1]
+    others = [f"pp={par.pp}"] if par.pp > 1 else []
     others += ["zero=1"] if par.zero else []
+    others += [f"tp={par.tp} with dp_shard={par.dp_shard}"] if par.tp > 1 and par.dp_shard > 1 else []
     if others:
-        raise ConfigError(f"parallel.ep={par.ep} shards the experts over the DDP ranks (with tp or not) for now: not with "
-                          f"parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
-    if par.dp % par.ep:
+        raise ConfigError(f"parallel.ep={par.ep} shards the experts over data-parallel ranks (DDP with tp or not, or "
+                          f"FSDP2 / HSDP) for now: not with parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
+    if par.data_ranks % par.ep:
+        data = f"parallel.dp={par.dp}" + (f" x dp_shard={par.dp_shard}" if par.dp_shard > 1 else "")
         raise ConfigError(f"parallel.ep={par.ep} shards the experts over groups of ep data-parallel ranks: it must divide "
-                          f"parallel.dp={par.dp}")
+                          f"the {par.data_ranks} of {data}")
     reference = shape.llama_config if shape is not None else None
     if tc.model.hf_path is None and tc.model.hf_config is None and not getattr(reference, "n_experts", 0):
         raise ConfigError(f"parallel.ep={par.ep} shards mixture-of-experts layers, and preset {tc.model.preset!r} has none; "

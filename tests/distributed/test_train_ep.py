@@ -97,6 +97,27 @@ def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
     assert_train_parity(resumed, references, "EP2 over DP4 -> one process", first=2)
 
 
+def test_ep2_under_fsdp2_trains_like_one_process(references, tmp_path):
+    """FSDP2 shards every parameter but the experts (ignored_params: each rank's own already)."""
+    out = tmp_path / "run"
+    summary = torchrun(2, [*ONE, "passes=none", "parallel.dp_shard=2", "parallel.ep=2"], out)
+    assert_train_parity(summary, references, "EP2 x FSDP2")
+    assert "2 experts a layer on this rank" in (out / "train.log").read_text()
+
+
+@pytest.mark.extended
+def test_ep2_under_hsdp_trains_like_one_process_and_resumes_in_one(references, tmp_path):
+    """HSDP 2 x 2, compiled per block: two expert groups of 2 ranks, replicas averaged; the checkpoint
+    (FSDP2's DTensors, the experts Replicate x Shard(0)) resumes in one process."""
+    out = tmp_path / "run"
+    summary = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.dp=2", "parallel.dp_shard=2", "parallel.ep=2"],
+                       out)
+    assert_train_parity(summary, references, "EP2 x HSDP 2x2")
+    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, references, "EP2 x HSDP -> one process", first=2)
+
+
 @pytest.mark.extended
 def test_ep2_checkpoint_resumes_under_fsdp2(ep2, references, tmp_path):
     """The experts' Shard(0) DTensors of the whole, read into FSDP2's shards of every parameter."""
@@ -129,8 +150,9 @@ def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
-    (("parallel.dp=2", "parallel.ep=2", "parallel.dp_shard=2"), "not with parallel.dp_shard=2"),
-    (("parallel.dp=4", "parallel.ep=3"), "must divide parallel.dp=4"),
+    (("parallel.dp=2", "parallel.ep=2", "parallel.pp=2"), "not with parallel.pp=2"),
+    (("parallel.dp=1", "parallel.ep=2", "parallel.dp_shard=2", "parallel.tp=2"), "not with parallel.tp=2 with dp_shard=2"),
+    (("parallel.dp=4", "parallel.ep=3"), "must divide the 4 of parallel.dp=4"),
     (("model=tiny", "parallel.dp=2", "parallel.ep=2"), "has none"),
     (("parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), "btp shards the stream"),
 ])
