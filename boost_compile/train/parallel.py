@@ -183,8 +183,11 @@ def setup_distributed(tc: TrainConfig) -> Dist:
     if mesh is not None and 1 < par.ep < par.data_ranks:  # data rank = edp * ep + its place in the expert group
         from torch.distributed.device_mesh import init_device_mesh
 
-        ep_mesh = init_device_mesh(device.type, (par.data_ranks // par.ep, par.ep, par.tp),
-                                   mesh_dim_names=("edp", "ep", "tp"))
+        dims = (par.data_ranks // par.ep, par.ep, par.tp)
+        names = ("edp", "ep", "tp")
+        if par.pp > 1:
+            dims, names = (par.pp, *dims), ("pp", *names)
+        ep_mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
     return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
                 dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep, ep_mesh=ep_mesh)
 
@@ -249,18 +252,21 @@ def parallelize(model: nn.Module, tc: TrainConfig, dev: Dist, example: torch.Ten
     log.info("%s", report)
 
 
-def shard_experts(model: nn.Module, dev: Dist) -> None:
+def shard_experts(model: nn.Module, dev: Dist, what: str = "") -> None:
     """``parallel.ep``: the model's experts sharded by expert over each group of ``ep`` dp ranks
     (``boost_compile.expert_parallel_``); a model without experts modules of a known form is
-    refused in one line naming it."""
-    from boost_compile.distributed.expert_parallel import ExpertParallelError, expert_parallel_
+    refused in one line naming it. ``what``: a pipeline stage, which may hold no experts (logged)."""
+    from boost_compile.distributed.expert_parallel import ExpertParallelError, expert_parallel_, find_experts
 
+    if what and not find_experts(model):
+        log.info("parallel.ep=%d: %s holds no experts", dev.ep, what)
+        return
     try:
         report = expert_parallel_(model, dev.group("ep"))
     except ExpertParallelError as exc:
         raise ConfigError(f"parallel.ep={dev.ep}: {exc}") from exc
-    log.info("parallel.ep=%d: %d experts layers sharded by expert, %d experts a layer on this rank (%s of %s expert "
-             "parameters)", dev.ep, len(report.layers), report.experts_per_rank, f"{report.local_numel:,}",
+    log.info("parallel.ep=%d: %s%d experts layers sharded by expert, %d experts a layer on this rank (%s of %s expert "
+             "parameters)", dev.ep, f"{what}: " if what else "", len(report.layers), report.experts_per_rank, f"{report.local_numel:,}",
              f"{report.total_numel:,}")
 
 

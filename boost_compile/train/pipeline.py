@@ -57,9 +57,10 @@ from torch import nn
 from boost_compile import _torch_compat as compat
 from boost_compile.backend import Recorder
 from boost_compile.config import ConfigError
+from boost_compile.distributed.expert_parallel import is_expert_parameter
 from boost_compile.train.config import TrainConfig
 from boost_compile.train.model import HFCausalLM, build_model, build_on_meta, defers_init, materialize_part
-from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh
+from boost_compile.train.parallel import Dist, cast_weights, compile_model, fsdp_mesh, shard_experts
 from boost_compile.train.step import StepFn, StepOutput, make_optimizer_tail
 from boost_compile.train.validate import ModelShape
 
@@ -271,7 +272,7 @@ def build_pipeline_parts(
     # a stage's parameters are copies: each named by its original's name in the whole model
     renames = [_original_names(stage, whole, memo) for stage, memo in zip(stages, memos, strict=True)]
     # each rank materialises its stages as it will hold them: whole, its TP shards, or its FSDP2 slices
-    if recipe is not None and dev.dp_shard == 1 and dev.tp == 1:
+    if recipe is not None and dev.dp_shard == 1 and dev.tp == 1 and dev.ep == 1:
         for i, stage, names in zip(indices, stages, renames, strict=True):
             materialize_part(stage, recipe, dev.device, f"stage {i}", names)
     del whole, target, memos
@@ -280,9 +281,14 @@ def build_pipeline_parts(
     micro_batch = local_batch // n_mb
     if dev.tp > 1:
         _parallelize_stages(stages, indices, tc, dev, micro_batch)
-        if recipe is not None and dev.dp_shard == 1:
+        if recipe is not None and dev.dp_shard == 1 and dev.ep == 1:
             for i, stage, names in zip(indices, stages, renames, strict=True):
                 materialize_part(stage, recipe, dev.device, f"stage {i}'s TP shards", names)
+    if dev.ep > 1:  # each stage's experts over the stage's expert group, then its part materialised
+        for i, stage, names in zip(indices, stages, renames, strict=True):
+            shard_experts(stage, dev, f"stage {i}")
+            if recipe is not None and dev.dp_shard == 1:
+                materialize_part(stage, recipe, dev.device, f"stage {i}'s experts and its other weights", names)
     for stage in stages:
         cast_weights(stage, tr.precision)
     def bind() -> StageParameters:
@@ -346,9 +352,11 @@ def make_pipeline_step(
 
     params = list(parts.model.parameters())
     tail = make_optimizer_tail(parts.model, optimizer, scheduler, grad_clip, dev)
-    # FSDP2 (dp_shard > 1) reduce-scatters (and averages) each stage's gradients itself
-    average = BucketedDpAverage(list(parts.model.named_parameters()), dev.group("dp"), dev.dp,
-                                bucket_mb) if dev.dp > 1 and dev.dp_shard == 1 else None
+    # FSDP2 (dp_shard > 1) reduce-scatters (and averages) each stage's gradients itself; expert
+    # parallelism's experts are each rank's own (their mean over the expert group is in the graph)
+    experts = [p for p in params if is_expert_parameter(p)] if dev.dp_shard == 1 else []
+    shared = [(n, p) for n, p in parts.model.named_parameters() if not is_expert_parameter(p)]
+    average = BucketedDpAverage(shared, dev.group("dp"), dev.dp, bucket_mb) if dev.dp > 1 and dev.dp_shard == 1 else None
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> StepOutput:
         slices = zip(inputs.chunk(micro_steps), targets.chunk(micro_steps), strict=True)
@@ -358,6 +366,9 @@ def make_pipeline_step(
             losses = [pipeline_step(parts.schedule, x, y) for x, y in slices]
         if average is not None:
             average.finish(micro_steps * parts.schedule._n_microbatches)
+            for p in experts:  # summed over the micro-batches, as the others before their average
+                if p.grad is not None:
+                    p.grad.div_(micro_steps * parts.schedule._n_microbatches)
         elif micro_steps > 1:
             scale = micro_steps * parts.schedule._n_microbatches
             for p in params:

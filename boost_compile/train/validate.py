@@ -509,12 +509,12 @@ def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
     _positive("parallel.ep", par.ep)
     if par.ep == 1:
         return
-    others = [f"pp={par.pp}"] if par.pp > 1 else []
-    others += ["zero=1"] if par.zero else []
+    others = ["zero=1"] if par.zero else []
     others += [f"tp={par.tp} with dp_shard={par.dp_shard}"] if par.tp > 1 and par.dp_shard > 1 else []
     if others:
         raise ConfigError(f"parallel.ep={par.ep} shards the experts over data-parallel ranks (DDP with tp or not, or "
-                          f"FSDP2 / HSDP) for now: not with parallel.{', parallel.'.join(others)}; use parallel.ep=1 with them")
+                          f"FSDP2 / HSDP, with pipeline stages or not) for now: not with parallel.{', parallel.'.join(others)}; "
+                          "use parallel.ep=1 with them")
     if par.data_ranks % par.ep:
         data = f"parallel.dp={par.dp}" + (f" x dp_shard={par.dp_shard}" if par.dp_shard > 1 else "")
         raise ConfigError(f"parallel.ep={par.ep} shards the experts over groups of ep data-parallel ranks: it must divide "

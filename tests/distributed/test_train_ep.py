@@ -119,6 +119,26 @@ def test_ep2_under_hsdp_trains_like_one_process_and_resumes_in_one(references, t
 
 
 @pytest.mark.extended
+def test_ep2_under_pipeline_stages_trains_like_one_process_and_resumes_in_one(references, tmp_path):
+    """PP2 x DP2 (4 processes): each stage's experts over its two dp ranks, the stages' bucketed DP
+    average leaving them out; the checkpoint (each stage's experts as shards) resumes in one process."""
+    out = tmp_path / "run"
+    summary = torchrun(4, [*ONE, "passes=none", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2"], out)
+    assert_train_parity(summary, references, "EP2 x PP2")
+    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, references, "EP2 x PP2 -> one process", first=2)
+
+
+@pytest.mark.extended
+def test_ep2_under_pipeline_stages_and_fsdp2_trains_like_one_process(references, tmp_path):
+    """PP2 x FSDP2 2, compiled per block: FSDP2 shards each stage but its experts."""
+    summary = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"],
+                       tmp_path / "run")
+    assert_train_parity(summary, references, "EP2 x PP2 x FSDP2")
+
+
+@pytest.mark.extended
 def test_ep2_checkpoint_resumes_under_fsdp2(ep2, references, tmp_path):
     """The experts' Shard(0) DTensors of the whole, read into FSDP2's shards of every parameter."""
     _, out = ep2
@@ -150,7 +170,7 @@ def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
-    (("parallel.dp=2", "parallel.ep=2", "parallel.pp=2"), "not with parallel.pp=2"),
+    (("parallel.dp=2", "parallel.ep=2", "parallel.zero=1"), "not with parallel.zero=1"),
     (("parallel.dp=1", "parallel.ep=2", "parallel.dp_shard=2", "parallel.tp=2"), "not with parallel.tp=2 with dp_shard=2"),
     (("parallel.dp=4", "parallel.ep=3"), "must divide the 4 of parallel.dp=4"),
     (("model=tiny", "parallel.dp=2", "parallel.ep=2"), "has none"),
