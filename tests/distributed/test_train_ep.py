@@ -267,3 +267,20 @@ def test_balanced_moe_under_dp2_trains_like_one_process_and_resumes(balanced_ref
     resumed = run(cfg_of(*BALANCED, "passes=none", "checkpoint=default", "trainer.resume=true",
                          f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
     assert_train_parity(resumed, balanced_references, "DP2 balanced -> one process", first=2)
+
+
+@pytest.mark.extended
+def test_balanced_moe_under_ep2_x_tp2_and_pp2_trains_like_one_process(tmp_path):
+    """The other layouts the counts and the bias go through: EP2 x TP2 (megatron, tiny-moe-dense,
+    compiled by boost; each TP pair routes the same tokens, counted once) and PP2 (capacity and bias:
+    each stage moves its own layers' biases, the metrics gather both stages' layers; the aux loss is
+    refused there)."""
+    one = (*FAST, "model=tiny-moe-dense", *BALANCE, "trainer.steps=4", "checkpoint=off")
+    references = train_references(one, tmp_path / "references")
+    summary = torchrun(4, [*one, "passes=boost_aot_eager", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"],
+                       tmp_path / "tp")
+    _assert_balanced_like_one_process(summary, references, "EP2 x TP2 balanced")
+    no_aux = tuple(o for o in BALANCED if "router_aux_loss_coef" not in o)
+    references = train_references(no_aux, tmp_path / "references_pp")
+    summary = torchrun(2, [*no_aux, "passes=none", "parallel.pp=2"], tmp_path / "pp")
+    _assert_balanced_like_one_process(summary, references, "PP2 capacity and bias")
