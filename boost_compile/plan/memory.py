@@ -135,7 +135,8 @@ class Memory:
 
     terms: dict[str, int]
     peak: int
-    #: "backward", "optimizer" or (FSDP2 under pipeline stages) "reduce": the phase that sets the peak
+    #: "backward", "optimizer", (FSDP2 under pipeline stages) "reduce" or (expert parallelism's replicas'
+    #: all-reduce) "replicas": the phase that sets the peak
     peak_at: str
     #: the terms live at the peak (they sum to it): the backward's start holds the activations
     #: and the head, the optimizer step the gradients
@@ -259,15 +260,17 @@ def fsdp_shard(numel: int, dp_shard: int) -> int:
 
 def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard_after_forward: bool = True,
                 accumulating: bool = False, vocab_parallel: bool = True,
-                stage: tuple[set[int], bool, bool] | None = None, one_microbatch: int = 0) -> tuple[dict[str, int], int]:
+                stage: tuple[set[int], bool, bool] | None = None, one_microbatch: int = 0,
+                ep: int = 1) -> tuple[dict[str, int], int]:
     """FSDP2's :data:`FSDP_TERMS` in bytes, and its backward transient (the largest unit's reduce-scatter input).
 
     Every unit is a TP shard gathered whole over the dp_shard ranks, so that none of these
     depends on dp_shard (see the module's docstring). ``stage``: a pipeline rank's (its blocks,
     whether it holds the embedding, the head), whose units are all gathered at the backward with
     their unsharded gradients, and whose reduce-scatter input is a unit's gradient copy alone;
-    ``one_microbatch``: the bytes one micro-batch saves in the stage (see the module's docstring)."""
-    units = _unit_sizes(spec, plan, tp, vocab_parallel)
+    ``one_microbatch``: the bytes one micro-batch saves in the stage (see the module's docstring);
+    ``ep > 1``: the units less their experts, which FSDP2 ignores (expert parallelism's own)."""
+    units = _unit_sizes(spec, plan, tp, vocab_parallel, ep)
     if stage is not None:
         blocks_held, first, last = stage
         held = [(kind, size) for kind, block, size in units if (kind == "block" and block in blocks_held)
@@ -285,11 +288,13 @@ def fsdp_memory(spec: ModelSpec, plan: str, tp: int, prec: Precision, *, reshard
         }
         return terms, max(sizes, default=0) * prec.weights
     blocks = [size for kind, _, size in units if kind == "block"]
-    alive = len(blocks) if not reshard_after_forward else min(2, len(blocks))
+    # every block gathered (noreshard), or the largest two in a row: the one computing and the one prefetched
+    alive = sum(blocks) if not reshard_after_forward else max(map(sum, zip(blocks, blocks[1:], strict=False)),
+                                                              default=max(blocks, default=0))
     kept = [size for kind, _, size in units if kind in ("root", "head") or (kind == "embed" and not reshard_after_forward)]
     sizes = [size for _, _, size in units]
     terms = {
-        "fsdp_gathered": alive * max(blocks, default=0) * prec.gathered,
+        "fsdp_gathered": alive * prec.gathered,
         "fsdp_kept": sum(kept) * prec.gathered,
         "fsdp_accum": sum(sizes) * prec.weights if accumulating else 0,
     }
@@ -347,10 +352,13 @@ def _local_numels(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool, ep:
 
 
 @functools.lru_cache(maxsize=256)
-def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tuple[tuple[str, int, int], ...]:
-    """Each FSDP2 unit's kind, block (-1 outside the blocks) and local elements on one TP rank."""
+def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool,
+                ep: int = 1) -> tuple[tuple[str, int, int], ...]:
+    """Each FSDP2 unit's kind, block (-1 outside the blocks) and local elements on one TP rank; under
+    ``ep > 1`` a block less its experts (``fully_shard``'s ``ignored_params``: never gathered)."""
     def local(tensors: tuple[Tensor, ...]) -> int:
-        return sum(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in tensors)
+        return sum(local_numel(t, plan, tp, vocab_parallel=vocab_parallel) for t in tensors
+                   if not (ep > 1 and t.role == "expert"))
 
     return tuple((u.kind, u.tensors[0].block if u.kind == "block" else -1, local(u.tensors)) for u in fsdp_units(spec))
 
@@ -358,16 +366,15 @@ def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool) -> tu
 def _rank_share(spec: ModelSpec, tensors: tuple[Tensor, ...], plan: str, tp: int, vocab_parallel: bool,
                 stages: tuple[range, ...], pp: int, rank: int, dp_shard: int, ep: int = 1) -> tuple[list[int], set[int], bool, bool]:
     """Pipeline rank ``rank``'s tensors (it holds stages rank, rank + pp, ...): each one's local elements
-    (its FSDP2 slice when ``dp_shard > 1``, its experts' share under ``ep``), its blocks, and whether it
-    holds the first and the last stage.
+    (its FSDP2 slice when ``dp_shard > 1``, its experts' share under ``ep``, whole: FSDP2 ignores the
+    experts under EP), its blocks, and whether it holds the first and the last stage.
     ``tensors``: ``spec.tensors()``, made once by the caller (the search prices thousands of layouts)."""
     mine = range(rank, len(stages), pp)
     blocks = {b for i in mine for b in stages[i]}
     first, last = 0 in mine, len(stages) - 1 in mine
-    numels = [k for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel, ep), strict=True)
-              if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
-    if dp_shard > 1:
-        numels = [fsdp_shard(k, dp_shard) for k in numels]
+    held = [(t, k) for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel, ep), strict=True)
+             if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
+    numels = [k if dp_shard == 1 or (ep > 1 and t.role == "expert") else fsdp_shard(k, dp_shard) for t, k in held]
     return numels, blocks, first, last
 
 
@@ -388,7 +395,8 @@ def memory(
     is one micro-step of gradient accumulation, whose backward adds to gradients already live.
     ``dp_shard > 1``: FSDP2 over that many ranks in each of the ``dp`` replicas, each pipeline rank's
     stages sharded on their own (see the module's docstring). ``ep > 1``: each rank holds
-    ``n_experts / ep`` experts of every MoE block, whose gradients DDP does not all-reduce.
+    ``n_experts / ep`` experts of every MoE block, whose gradients DDP does not all-reduce, whole
+    under FSDP2 (which ignores them).
     """
     prec = PRECISIONS[precision]
     stages = _stage_blocks(spec, pp * stages_per_rank)
@@ -433,7 +441,9 @@ def memory(
         fsdp, reduce_input = (dict.fromkeys(FSDP_TERMS, 0), 0) if dp_shard == 1 else fsdp_memory(
             spec, plan, tp, prec, reshard_after_forward=reshard_after_forward, accumulating=accumulating,
             vocab_parallel=vocab_parallel, stage=(blocks, first, last) if pp > 1 else None,
-            one_microbatch=int(saved_mb + stream_src))
+            one_microbatch=int(saved_mb + stream_src), ep=ep)
+        if dp_shard > 1 and accumulating:  # EP's experts (FSDP2's ignored) keep their whole gradients too
+            fsdp["fsdp_accum"] += experts * prec.weights
         # the backward recomputes one block at a time: its tensors that checkpointing did not keep
         recompute = 0.0
         if checkpoint != "none" and blocks:
@@ -454,12 +464,17 @@ def memory(
         backward = (terms["activations"] + terms["head"] + head_temp + block_temp + early_grads + sum(fsdp.values()))
         at_reduce = terms["grads"] + reduce_input + sum(fsdp.values()) if piped_fsdp else 0
         at_optimizer = terms["grads"] + update
-        phase = max((backward, "backward"), (at_reduce, "reduce"), (at_optimizer, "optimizer"), key=lambda x: x[0])[1]
-        terms["temporary"] = int({"backward": head_temp + block_temp, "reduce": reduce_input, "optimizer": update}[phase])
+        # ep below the data ranks: the experts' gradients flattened into one tensor for the replicas' all-reduce
+        flat = experts * prec.weights if ep > 1 and dp * dp_shard > ep else 0
+        at_replicas = terms["grads"] + flat if flat else 0
+        phase = max((backward, "backward"), (at_reduce, "reduce"), (at_replicas, "replicas"), (at_optimizer, "optimizer"),
+                    key=lambda x: x[0])[1]
+        terms["temporary"] = int({"backward": head_temp + block_temp, "reduce": reduce_input, "replicas": flat,
+                                  "optimizer": update}[phase])
         terms.update(fsdp)
         live = ("params", "optimizer", "dp_buckets", "temporary") + {
             "backward": ("activations", "head") + (("grads",) if early_grads else ()) + (FSDP_TERMS if dp_shard > 1 else ()),
-            "reduce": ("grads", *FSDP_TERMS), "optimizer": ("grads",)}[phase]
+            "reduce": ("grads", *FSDP_TERMS), "replicas": ("grads",), "optimizer": ("grads",)}[phase]
         mem = Memory(terms, sum(terms[t] for t in live), phase, live, int(saved_mb), flight,
                      {"tokens_per_microbatch": tokens, "pp_rank": rank, "loss_per_microbatch": loss_mb,
                       "saved_per_microbatch": saved_mb + stream_src + head_mb})

@@ -4,7 +4,8 @@
 (tp within a node and dividing heads, kv-heads, d and d_ff; pp dividing the rest
 and at most the blocks; dp the remainder, dividing the batch; or FSDP2 and HSDP: the
 remainder cut into dp replicas of dp_shard ranks, with or without pipeline stages; for a mixture of
-experts, expert parallelism over every dp rank as boost-train runs it: :func:`ep_layouts`), prices each with
+experts, expert parallelism over the data ranks as boost-train runs it, under DDP or FSDP2 / HSDP:
+:func:`ep_layouts`), prices each with
 the time model (:mod:`boost_compile.plan.timing`) and the memory model
 (:mod:`boost_compile.plan.memory`), drops what does not fit and sorts the rest,
 fastest first (then the least memory). :func:`refusal` says why nothing fits and
@@ -52,7 +53,8 @@ class Layout:
     dp_shard: int = 1
     #: ``parallel.reshard_after_forward`` (FSDP2): free a block's gathered weights after its forward
     reshard_after_forward: bool = True
-    #: ``parallel.ep``: the experts sharded by expert over groups of ep dp ranks (ep divides dp); 1: none
+    #: ``parallel.ep``: the experts sharded by expert over groups of ep consecutive data ranks (ep divides
+    #: dp * dp_shard; under FSDP2 the experts are left whole to each rank, not sliced by dp_shard); 1: none
     ep: int = 1
 
     @property
@@ -210,30 +212,37 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
         if fsdp:
             yield from _sharded(job, tp, plans, checkpoints)
         if ep:
-            yield from ep_layouts(job, tp, plans, checkpoints)
+            yield from ep_layouts(job, tp, plans, checkpoints, fsdp=fsdp)
 
 
-def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:
+def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...],
+               fsdp: bool = True) -> Iterator[Layout]:
     """Expert parallelism as boost-train runs it (``train/validate.py``'s ``check_ep``): the experts
-    sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing dp and n_experts; the
-    dp / ep groups replicas of each other), with TP or without, never with pipeline stages, FSDP2 or
-    ZeRO-1; none for a model without experts."""
+    sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing the data ranks and
+    n_experts; the data_ranks / ep groups replicas of each other), under DDP with TP or without, and
+    (``fsdp``) under FSDP2 / HSDP at tp = 1: every dp x dp_shard of :func:`_sharded`, FSDP2 ignoring
+    the experts. Never with pipeline stages or ZeRO-1, nor TP with FSDP2; none for a model without experts."""
     spec = job.spec
-    dp = job.devices // tp
-    if not spec.moe or dp < 2 or job.batch % dp:
+    data = job.devices // tp
+    if not spec.moe or data < 2 or job.batch % data:
         return
-    for ep in (e for e in divisors(dp) if e > 1 and spec.n_experts % e == 0):
+    degrees = [e for e in divisors(data) if e > 1 and spec.n_experts % e == 0]
+    for ep in degrees:
         for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
             for ck in checkpoints:
-                yield Layout(tp, 1, dp, 0, 1, "1f1b", ck, plan, ep=ep)
+                yield Layout(tp, 1, data, 0, 1, "1f1b", ck, plan, ep=ep)
+    if fsdp and tp == 1:  # check_ep refuses TP with dp_shard > 1
+        for lo in _sharded(job, tp, plans, checkpoints):
+            yield from (replace(lo, ep=ep) for ep in degrees)
 
 
 @functools.lru_cache(maxsize=256)
 def _moe_params(spec: ModelSpec, plan: str, tp: int, stages: int, pp: int,
-                ep: int) -> tuple[float, float, float, int, float]:
+                ep: int) -> tuple[float, float, tuple[float, ...], int, float]:
     """The busiest pipeline rank's parameters (its experts' share under ``ep``), those DDP all-reduces
-    (all but the experts under EP), the largest block's on one TP rank (experts whole), the MoE
-    blocks of the busiest stage, and its experts' parameters under EP (averaged over their replicas)."""
+    (all but the experts under EP), the largest block's FSDP2 unit on one TP rank (experts whole; under
+    EP without them: FSDP2 ignores them), the MoE blocks of the busiest stage, and its experts'
+    parameters under EP (averaged over their replicas). The blocks' units come in block order."""
     cut = stage_blocks(spec, stages)
     per_rank = []
     for rank in range(pp):
@@ -253,10 +262,10 @@ def _moe_params(spec: ModelSpec, plan: str, tp: int, stages: int, pp: int,
         per_rank.append((held, reduced, sum(spec.moe_block(b) for b in blocks), experts))
     blocks_numel: dict[int, int] = {}
     for t in spec.tensors():
-        if t.block >= 0:
+        if t.block >= 0 and not (ep > 1 and t.role == "expert"):
             blocks_numel[t.block] = blocks_numel.get(t.block, 0) + local_numel(t, plan, tp)
     held, reduced, moe_stage, experts = max(per_rank)
-    return float(held), float(reduced), float(max(blocks_numel.values())), moe_stage, float(experts)
+    return float(held), float(reduced), tuple(float(blocks_numel[b]) for b in sorted(blocks_numel)), moe_stage, float(experts)
 
 
 def moe_of(job: Job, layout: Layout) -> Moe | None:
@@ -264,7 +273,7 @@ def moe_of(job: Job, layout: Layout) -> Moe | None:
     spec, lo = job.spec, layout
     if not spec.moe and spec.mla is None and spec.attn_head_dim is None:
         return None
-    params, reduced, block, moe_stage, experts = _moe_params(spec, lo.plan, lo.tp, lo.pp * lo.stages_per_rank, lo.pp, lo.ep)
+    params, reduced, blocks, moe_stage, experts = _moe_params(spec, lo.plan, lo.tp, lo.pp * lo.stages_per_rank, lo.pp, lo.ep)
     attn = {}
     if spec.mla is not None or spec.attn_head_dim is not None:
         names = (".self_attn.", ".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.")  # a block's attention matrices
@@ -274,9 +283,9 @@ def moe_of(job: Job, layout: Layout) -> Moe | None:
         qk, v = (spec.mla.qk_head_dim, spec.mla.v_head_dim) if spec.mla else (spec.head_dim, spec.head_dim)
         attn = {"attn_params": float(attn_params), "attn_width": heads * (qk + v) / 2, "attn_head_dim": qk}
     return Moe(spec.dim, spec.n_experts, spec.top_k, spec.expert_width, spec.expert_rank, spec.shared_ffn_dim,
-               spec.moe_layers, moe_stage, params, reduced, block, ep=lo.ep, imbalance=job.moe_imbalance,
+               spec.moe_layers, moe_stage, params, reduced, max(blocks), ep=lo.ep, imbalance=job.moe_imbalance,
                ep_per_node=max(1, job.per_node // lo.tp), expert_params=experts,
-               replicas_across_nodes=lo.dp * lo.tp > job.per_node, **attn)
+               replicas_across_nodes=lo.data_ranks * lo.tp > job.per_node, block_units=blocks, **attn)
 
 
 def _sharded(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str, ...]) -> Iterator[Layout]:

@@ -141,6 +141,7 @@ class Moe:
     layers: int
     stage_layers: int
     #: parameters the busiest rank holds (its experts / ep), those DDP all-reduces, the largest block's
+    #: FSDP2 unit (under EP less its experts, which FSDP2 ignores)
     params: float
     reduced: float
     block_params: float
@@ -157,6 +158,8 @@ class Moe:
     attn_params: float = 0.0
     attn_width: float = 0.0
     attn_head_dim: int = 0
+    #: each block's FSDP2 unit in order (as ``block_params``; empty: every block ``block_params``)
+    block_units: tuple[float, ...] = ()
 
 
 def all_to_all_time(payload: float, moe: Moe, hw: Hardware) -> float:
@@ -217,17 +220,24 @@ def attention_delta(moe: Moe, system: str, shape: sm.Shape, batch: int, seq: int
     return dense_s * (moe.attn_params / dense_params - 1) + core
 
 
+#: element passes (read + write) of the replicas' flattened expert gradients: the concatenation, the
+#: division by the replicas and the copy back
+REPLICA_PASSES = 6
+
+
 def expert_replicas_time(moe: Moe, dp: int, hw: Hardware, wl: sm.Workload) -> float:
-    """``ep < dp``: the ring all-reduce of the rank's expert gradients over the ``dp / ep`` ranks that
-    hold the same experts (one flattened tensor after the backward: exposed), over the network
-    between nodes when those ranks are on other nodes."""
+    """``ep`` below the ``dp`` data ranks (``dp * dp_shard`` under FSDP2): the ring all-reduce of the
+    rank's expert gradients over the ``dp / ep`` ranks that hold the same experts (one flattened
+    tensor after the backward: exposed), over the network between nodes when those ranks are on
+    other nodes, and the flattening's copies (:data:`REPLICA_PASSES`)."""
     replicas = dp // moe.ep if moe.ep > 1 else 1
     if replicas <= 1 or not moe.expert_params:
         return 0.0
     size = moe.expert_params * wl.grad_bytes
     across = moe.replicas_across_nodes and hw.internode_bus_bandwidth
     bandwidth = hw.internode_bus_bandwidth if across else hw.allreduce_bus_bandwidth
-    return hw.collective_latency + 2 * (replicas - 1) / replicas * size / bandwidth
+    copies = sm.elementwise_time(REPLICA_PASSES * size, hw)
+    return hw.collective_latency + 2 * (replicas - 1) / replicas * size / bandwidth + copies
 
 
 def with_moe(pred: sm.Prediction, moe: Moe | None, system: str, shape: sm.Shape, *, batch: int, seq: int, tp: int,
@@ -375,11 +385,13 @@ def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: in
                    wl: sm.Workload, param_bytes: int, head: str = sm.DEFAULT_HEAD, reshard_after_forward: bool = True,
                    shard_across_nodes: bool = False, replica_across_nodes: bool = False, moe: Moe | None = None) -> StepTime:
     """The step of an FSDP2 or HSDP layout without pipeline stages (see the module's docstring); an
-    MoE model's blocks gathered whole, experts included (``moe``)."""
+    MoE model's blocks gathered whole, experts included (``moe``), or under expert parallelism
+    (``moe.ep > 1``) without them: FSDP2 ignores the experts, each rank steps its n_experts / ep
+    whole, their all-to-alls as under DDP and their replicas' all-reduce after the backward."""
     system, n = SYSTEMS[plan], dp_shard
     pred = sm.predict(shape, system, tp, 1, hw, replace(wl, micro_batches=1), head=head, dp=dp * n)
     mb, layers = wl.batch // (dp * n), shape.layers
-    pred, _, moe_c = with_moe(pred, moe, system, shape, batch=mb, seq=wl.seq, tp=tp, pp=1, dp=dp * n, hw=hw, wl=wl)
+    pred, a2a_s, moe_c = with_moe(pred, moe, system, shape, batch=mb, seq=wl.seq, tp=tp, pp=1, dp=dp * n, hw=hw, wl=wl)
     per_layer_recompute = recompute_cost(system, shape, mb, wl.seq, tp, checkpoint, hw, wl)
     layer = sm.layer_cost(system, shape, mb, wl.seq, tp, hw, wl)
     top = sm.head_cost(system, shape, mb * wl.seq, tp, hw, wl, head)
@@ -388,8 +400,8 @@ def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: in
         layer_c += moe_c * moe.layers / layers
     shard_hw, replica_hw = _fsdp_links(hw, shard_across_nodes, replica_across_nodes)
     e_p, b_p, h_p = fsdp_unit_params(system, shape, tp, head)
-    b_p = moe.block_params if moe is not None else b_p
-    order = [e_p] + [b_p] * layers + [h_p]  # the forward's units
+    blocks = [b_p] * layers if moe is None else list(moe.block_units) or [moe.block_params] * layers
+    order = [e_p] + blocks + [h_p]  # the forward's units
     ag = [sm.allgather_time(1, p * wl.dtype_bytes, n, shard_hw) for p in order]
     rs = [sm.allgather_time(1, p * param_bytes, n, shard_hw) + sm.allreduce_time(1, p * param_bytes / n, dp, replica_hw)
           for p in order]
@@ -404,10 +416,15 @@ def fsdp_step_time(shape: sm.Shape, plan: str, *, tp: int, dp: int, dp_shard: in
     copy_reduce = sm.elementwise_time((wl.dtype_bytes + param_bytes) * sum(order), hw)
     fsdp_s = forward + backward + copy_gather + copy_reduce
     optimizer_s = pred.optimizer_s / n
+    replicas_s = 0.0
+    if moe is not None and moe.expert_params:  # EP: FSDP2 slices all but the experts, which a rank steps whole
+        sliced = (moe.params - moe.expert_params) / n + moe.expert_params
+        optimizer_s = sm.elementwise_time(wl.optimizer_bytes_per_param * sliced, hw)
+        replicas_s = expert_replicas_time(moe, dp * n, hw, wl)
     recompute_s = per_layer_recompute * layers
-    total = pred.iteration_s - pred.dp_s - pred.optimizer_s + optimizer_s + recompute_s + fsdp_s
-    once_s = optimizer_s + backward - keep + copy_reduce
-    return StepTime(total, pred.iteration_s, recompute_s, 0.0, 0.0, 0.0, pred, 0.0, fsdp_s, once_s)
+    total = pred.iteration_s - pred.dp_s - pred.optimizer_s + optimizer_s + recompute_s + fsdp_s + replicas_s
+    once_s = optimizer_s + backward - keep + copy_reduce + replicas_s
+    return StepTime(total, pred.iteration_s, recompute_s, 0.0, 0.0, 0.0, pred, 0.0, fsdp_s, once_s, a2a_s=a2a_s)
 
 
 def _fsdp_links(hw: Hardware, shard_across_nodes: bool, replica_across_nodes: bool) -> tuple[Hardware, Hardware]:

@@ -6,7 +6,7 @@ global batch of the config, the hardware file (``parallel.hardware``) and the me
 per device, logs the best rows and the choice, and returns the config with the
 chosen ``parallel.*`` fields (``dp_shard`` and ``reshard_after_forward`` for FSDP2, whose
 layouts it leaves out where boost-train would refuse them: :func:`fsdp_allowed`; ``ep`` for
-expert parallelism of a mixture of experts, likewise: :func:`ep_allowed`) and
+expert parallelism of a mixture of experts, under DDP or FSDP2, likewise: :func:`ep_allowed`) and
 ``passes.options.checkpoint``. boost-train then validates it like any other.
 """
 
@@ -89,15 +89,15 @@ def fsdp_allowed(tc: TrainConfig) -> bool:
     return tc.passes.backend == "none" or tc.passes.unit == "block"
 
 
-def ep_allowed(tc: TrainConfig, spec: ModelSpec) -> bool:
+def ep_allowed(tc: TrainConfig, spec: ModelSpec, dp_shard: int = 1) -> bool:
     """Whether boost-train runs expert parallelism for ``tc``'s model (``spec``, a mixture of experts):
-    its ``check_ep`` accepts an EP2 layout of it. A preset's experts are read off the built model
-    there, here off ``spec``."""
+    its ``check_ep`` accepts an EP2 layout of it, over two DDP ranks or (``dp_shard=2``) two FSDP2
+    ranks. A preset's experts are read off the built model there, here off ``spec``."""
     from boost_compile.train.validate import check_ep
 
     if not spec.moe:
         return False
-    probe = dataclasses.replace(tc.parallel, ep=2, dp=2, tp=1, pp=1, dp_shard=1, zero=0)
+    probe = dataclasses.replace(tc.parallel, ep=2, dp=2 // dp_shard, tp=1, pp=1, dp_shard=dp_shard, zero=0)
     try:
         check_ep(dataclasses.replace(tc, parallel=probe))
     except ConfigError:
@@ -130,8 +130,10 @@ def choose_layout(tc: TrainConfig, world: int | None = None, per_node: int | Non
     boost = tc.passes.backend == "boost"
     asked = tc.passes.options.get("checkpoint") if boost else None
     checkpoints = (asked,) if asked in CHECKPOINTS else (CHECKPOINTS if boost else ("none",))
-    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch, fsdp=fsdp_allowed(tc),
-                  ep=ep_allowed(tc, spec))
+    ep = ep_allowed(tc, spec)
+    rows = search(job, checkpoints=checkpoints, local_batch=tc.trainer.local_batch, fsdp=fsdp_allowed(tc), ep=ep)
+    if ep and not ep_allowed(tc, spec, dp_shard=2):  # EP under FSDP2 / HSDP refused: only EP with DDP
+        rows = [r for r in rows if r.layout.ep == 1 or r.layout.dp_shard == 1]
     if not boost:  # btp and megatron insert their collectives in the boost backend
         rows = [r for r in rows if r.layout.tp == 1]
     try:

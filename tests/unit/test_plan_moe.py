@@ -75,12 +75,87 @@ def test_a_dense_model_gets_no_expert_parallel_rows():
 def test_expert_parallel_rows_are_those_boost_train_runs():
     spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 4})
     every = list(layouts(job(spec, 8, per_node=4, batch=16, seq=256)))
-    ep_rows = [lo for lo in every if lo.ep > 1]
+    ep_rows = [lo for lo in every if lo.ep > 1 and lo.dp_shard == 1]  # DDP's (FSDP2's: the test below)
     # ep divides dp and the 4 experts: tp1 dp8 ep2/4, tp2 dp4 ep2/4; tp4 cannot split the 2 kv-heads
     assert {(lo.tp, lo.dp, lo.ep) for lo in ep_rows} == {(1, 8, 2), (1, 8, 4), (2, 4, 2), (2, 4, 4)}
     for lo in ep_rows:
         assert lo.dp % lo.ep == 0 and lo.pp == 1 and lo.dp_shard == 1 and lo.zero == 0 and spec.n_experts % lo.ep == 0
         assert f"parallel.ep={lo.ep}" in lo.overrides() and f"ep{lo.ep}" in lo.label()
+
+
+def test_expert_parallel_rows_under_fsdp2_are_those_boost_train_runs():
+    """EP x FSDP2 / HSDP: every dp x dp_shard of the FSDP2 rows at tp = 1 (check_ep refuses TP with
+    dp_shard), ep dividing the data ranks and the experts; none without FSDP2."""
+    spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 4})
+    j = job(spec, 8, per_node=4, batch=16, seq=256)
+    rows = [lo for lo in layouts(j) if lo.ep > 1 and lo.dp_shard > 1]
+    expected = {(dp_shard, ep, reshard) for dp_shard in (2, 4, 8) for ep in (2, 4) for reshard in (True, False)}
+    assert {(lo.dp_shard, lo.ep, lo.reshard_after_forward) for lo in rows} == expected
+    for lo in rows:
+        assert lo.tp == 1 and lo.pp == 1 and lo.zero == 0 and lo.data_ranks == 8
+        assert lo.data_ranks % lo.ep == 0 and spec.n_experts % lo.ep == 0
+        assert {f"parallel.ep={lo.ep}", f"parallel.dp_shard={lo.dp_shard}"} <= set(lo.overrides())
+        data = f"fsdp{lo.dp_shard}" if lo.dp == 1 else f"hsdp{lo.dp}x{lo.dp_shard}"
+        assert lo.label().startswith(f"tp1 {data}") and f" ep{lo.ep} " in lo.label()
+    assert Layout(1, 1, 2, dp_shard=4, ep=8).label() == "tp1 hsdp2x4 ep8 ckpt=none"
+    assert not any(lo.ep > 1 and lo.dp_shard > 1 for lo in layouts(j, fsdp=False))
+
+
+def test_expert_state_under_fsdp2_is_experts_over_ep_whatever_dp_shard():
+    """FSDP2 ignores the experts under EP: a rank holds n_experts / ep of them whole (params, grads,
+    AdamW) and its 1/dp_shard slice of every other tensor; its gathered blocks are the blocks less
+    their experts, and so is what the time model gathers."""
+    from boost_compile.plan.memory import fsdp_shard, start_memory
+    from boost_compile.plan.search import moe_of
+
+    spec = from_hf_config({"model_type": "mixtral", **TINY["mixtral"]})
+    tensors = spec.tensors()
+    experts = sum(t.numel for t in tensors if t.role == "expert")
+    w, e = PRECISIONS["bf16-mixed"].weights, PRECISIONS["bf16-mixed"].gathered
+    kw = {"tp": 1, "pp": 1, "zero": 0, "microbatches": 1, "schedule": "1f1b", "checkpoint": "none",
+          "batch": 8, "seq": 64, "precision": "bf16-mixed", "reshard_after_forward": False}
+    for dp, dp_shard, ep in ((2, 2, 4), (1, 4, 4), (1, 4, 2)):
+        mem = memory(spec, "megatron", dp=dp, dp_shard=dp_shard, ep=ep, **kw)
+        others = sum(fsdp_shard(t.numel, dp_shard) for t in tensors if t.role != "expert")
+        assert mem.terms["params"] == mem.terms["grads"] == (experts // ep + others) * w
+        assert mem.terms["optimizer"] == 2 * (experts // ep + others) * w
+    # every block gathered (noreshard), each without its experts; with them without EP
+    blocks = [sum(t.numel for t in tensors if t.block == b and t.role != "expert") for b in range(spec.n_layers)]
+    with_ep = memory(spec, "megatron", dp=1, dp_shard=4, ep=2, **kw).terms["fsdp_gathered"]
+    without = memory(spec, "megatron", dp=1, dp_shard=4, ep=1, **kw).terms["fsdp_gathered"]
+    assert with_ep == sum(blocks) * e and without == (sum(blocks) + experts) * e
+    lo = Layout(1, 1, 1, checkpoint="none", plan="megatron", dp_shard=4, ep=2)
+    assert moe_of(job(spec, 4, batch=8, seq=64), lo).block_units == tuple(blocks)
+    # the start: each rank materialises its experts whole beside its FSDP2 slices
+    start = {ep: start_memory(spec, "megatron", tp=1, pp=1, dp_shard=4, precision="bf16-mixed", ep=ep) for ep in (1, 2)}
+    sliced = sum(fsdp_shard(t.numel, 4) for t in tensors if t.role == "expert")
+    assert start[2] - start[1] == (experts // 2 - sliced) * w
+
+
+def test_an_fsdp2_step_under_ep_pays_the_all_to_alls_and_the_replicas_all_reduce():
+    """EP x HSDP: the all-to-alls on the step as under DDP, FSDP2's collectives without the experts'
+    bytes, and the replicas' all-reduce (data ranks / ep > 1) dearer across nodes."""
+    from dataclasses import replace
+
+    from boost_compile.costmodel.scale_model import Workload
+    from boost_compile.plan.search import moe_of
+    from boost_compile.plan.timing import expert_replicas_time, fsdp_step_time
+
+    spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 16, "hidden_size": 256})
+    j = job(spec, 8, per_node=8, batch=16)
+    plain = Layout(1, 1, 2, checkpoint="none", plan="megatron", dp_shard=4)
+    ep4 = replace(plain, ep=4)
+    assert price(j, ep4).a2a_s > 0 == price(j, plain).a2a_s
+    assert price(j, ep4).fsdp_s < price(j, plain).fsdp_s  # the experts' bytes are not gathered nor reduce-scattered
+    wl = Workload(seq=j.seq, batch=j.batch, dtype_bytes=2)
+    inside = moe_of(j, ep4)
+    across = replace(inside, replicas_across_nodes=True)
+    assert expert_replicas_time(moe_of(j, replace(ep4, ep=8)), 8, H100, wl) == 0  # one group: no replicas
+    kw = {"tp": 1, "dp": 2, "dp_shard": 4, "checkpoint": "none", "hw": H100, "wl": wl, "param_bytes": 4}
+    shape = spec.scale_shape()
+    a, b = fsdp_step_time(shape, "megatron", moe=inside, **kw), fsdp_step_time(shape, "megatron", moe=across, **kw)
+    extra = expert_replicas_time(across, 8, H100, wl) - expert_replicas_time(inside, 8, H100, wl)
+    assert extra > 0 and b.step_s - a.step_s == pytest.approx(extra)
 
 
 def test_expert_state_per_rank_falls_as_one_over_ep():
@@ -114,11 +189,23 @@ def test_a_deepseek_v3_shape_on_64_h100_ranks_expert_parallelism():
     first = best(rows, j)
     ep_rows = [r for r in rows if r.layout.ep > 1 and r.fits]
     assert ep_rows and {r.layout.ep for r in ep_rows} >= {64, 32}
-    # the first choice shards the experts with their blocks (FSDP2 / HSDP); the fastest EP layout
-    # loses to it mostly by its all-to-alls, which cross the nodes' 45 GB/s links
+    # the first choice shards the experts with their blocks (FSDP2 / HSDP, no EP)
     assert first.layout.dp_shard > 1 and first.layout.ep == 1
+    # the fastest EP layout: HSDP 8 x 8 with EP groups of one node (ep8), whose all-to-alls stay on the
+    # node; it loses to the first by its replicas' all-reduce of the experts across the nodes, its
+    # all-to-alls and one-sequence micro-steps (its EP activations fit no more)
+    from boost_compile.costmodel.scale_model import Workload
+    from boost_compile.plan.search import moe_of
+    from boost_compile.plan.timing import expert_replicas_time
+
     fastest_ep = ep_rows[0]
-    assert fastest_ep.step_s > first.step_s and fastest_ep.a2a_s > 0.4 * fastest_ep.step_s
+    assert (fastest_ep.layout.dp, fastest_ep.layout.dp_shard, fastest_ep.layout.ep) == (8, 8, 8)
+    assert fastest_ep.layout.local_batch == 1 and first.step_s < fastest_ep.step_s < 1.3 * first.step_s
+    replicas = expert_replicas_time(moe_of(j, fastest_ep.layout), 64, j.hardware, Workload(seq=j.seq, batch=j.batch))
+    assert replicas > fastest_ep.a2a_s > 0
+    # DDP's fastest EP layout loses more, mostly by its all-to-alls, which cross the nodes' 45 GB/s links
+    ddp_ep = next(r for r in ep_rows if r.layout.dp_shard == 1)
+    assert ddp_ep.step_s > 1.5 * fastest_ep.step_s and ddp_ep.a2a_s > 0.4 * ddp_ep.step_s
 
 
 def test_deepseek_v3_fits_nowhere_on_64_h100():
@@ -154,6 +241,26 @@ def test_auto_can_choose_expert_parallelism():
     chosen, rows = choose_layout(tc, world=4, per_node=4, device_type="cpu")
     assert any(r.layout.ep > 1 for r in rows)
     assert chosen.parallel.ep == chosen.parallel.dp == 4 and chosen.parallel.pp == 1 and chosen.parallel.dp_shard == 1
+    assert not any(r.layout.dp_shard > 1 for r in rows)
+
+
+def test_auto_can_choose_expert_parallelism_under_fsdp2():
+    """With FSDP2 allowed (blocks compiled one by one) and too little memory for anything else, auto
+    chooses EP x FSDP2: the experts / ep whole, every other tensor sliced; check_ep accepts it."""
+    from conftest import FAST, cfg_of
+
+    from boost_compile.train.auto_layout import choose_layout
+    from boost_compile.train.validate import check_ep, to_train_config
+
+    moe = ("model=hf-tiny", "model.hf_config.model_type=qwen3_moe", "+model.hf_config.num_experts=64",
+           "+model.hf_config.num_experts_per_tok=2", "+model.hf_config.moe_intermediate_size=128")
+    tc = to_train_config(cfg_of(*FAST, "passes=boost_aot_eager", "parallel=auto", *moe, "trainer.batch=8",
+                                "trainer.seq=64", "++passes.unit=block", "parallel.memory_gib=0.015"))
+    chosen, rows = choose_layout(tc, world=4, per_node=4, device_type="cpu")
+    assert [r.layout.ep > 1 and r.layout.dp_shard > 1 for r in rows if r.fits] == [True] * sum(r.fits for r in rows)
+    par = chosen.parallel
+    assert (par.tp, par.pp, par.zero, par.dp * par.dp_shard, par.ep) == (1, 1, 0, 4, 4) and par.dp_shard > 1
+    check_ep(chosen)
 
 
 @pytest.mark.parametrize("preset", ["tiny-moe", "tiny-moe-dense"])
