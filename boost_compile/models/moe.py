@@ -26,12 +26,9 @@ and reset after every step by :mod:`boost_compile.train.moe_balance` (metrics, b
 Qwen3-MoE's or Mixtral's.
 
 The experts' matrix products are grouped: the (token, slot) assignments are sorted by expert, so
-each expert's rows are contiguous, and one ``torch._grouped_mm`` per matrix multiplies every
-expert's rows by its weight (:func:`grouped_mm`). Where that kernel is missing (float64, a GPU
-below sm90, float32 under ``torch.compile``, whose meta kernel asks for bfloat16, a width that is
-not a multiple of 16 bytes) a loop over the experts computes the same products: eagerly on each
-expert's rows (:func:`looped_mm`), or in a compiled graph on every row, each keeping its own
-expert's product (:func:`masked_mm`, ``n_experts`` times the FLOPs, in static shapes: one graph).
+each expert's rows are contiguous, and one grouped GEMM per matrix multiplies every expert's rows
+by its weight (:func:`~boost_compile.models.grouped_gemm.grouped_mm`: ``torch._grouped_mm`` where
+it runs, else a custom op with the kernel or a loop inside; one graph in every dtype).
 """
 
 from __future__ import annotations
@@ -43,73 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from boost_compile.models.grouped_gemm import grouped_mm
 from boost_compile.models.lowrank import ACTIVATIONS, cola_std
 
 #: the three matrices of a SwiGLU expert: name -> (d_in, d_out) as "dim" / "ffn"
 EXPERT_MATRICES = {"gate": ("dim", "ffn"), "up": ("dim", "ffn"), "down": ("ffn", "dim")}
 INIT_STD = 0.02
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype a matrix product of ``x`` runs in: autocast's where it is on, else ``x``'s."""
-    kind = x.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):  # "meta" has no autocast
-        return torch.get_autocast_dtype(kind)
-    return x.dtype
-
-
-def grouped_kernel(x: Tensor, widths: tuple[int, ...]) -> bool:
-    """Whether ``torch._grouped_mm`` multiplies rows of ``x``'s dtype and device by matrices of these
-    ``widths`` here: bfloat16 (CPU, or a GPU of sm90 and later), and float32 / float16 on the CPU
-    outside ``torch.compile``; each width a multiple of 16 bytes (the kernel's stride rule)."""
-    dtype = _compute_dtype(x)
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    if any(w * dtype.itemsize % 16 for w in widths):
-        return False
-    if x.device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    if x.device.type != "cpu":
-        return False
-    if dtype == torch.bfloat16:
-        return True
-    return dtype in (torch.float32, torch.float16) and not torch.compiler.is_compiling()
-
-
-def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """``x`` [N, d_in] (rows sorted by expert, expert e's ending at ``offsets[e]``) times ``w``
-    [E, d_in, d_out], each row by its expert's matrix: [N, d_out]. Rows past the last offset are
-    left unwritten by the kernel (any values, NaN included): :meth:`Experts.forward` masks them."""
-    dtype = _compute_dtype(x)
-    return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
-
-
-def masked_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """:func:`grouped_mm` in static shapes, for a compiled graph without the kernel: every row times
-    every expert's matrix, each row keeping its own expert's product (``torch.where``: a product
-    of another expert never mixes in), at ``E`` times the FLOPs of the grouped kernel."""
-    dtype = _compute_dtype(x)
-    rows = torch.arange(x.shape[0], device=x.device)
-    expert = torch.searchsorted(offsets, rows.to(offsets.dtype), right=True)  # E: past the last (dropped)
-    xd = x.to(dtype)
-    out = x.new_zeros(x.shape[0], w.shape[-1], dtype=dtype)
-    for e in range(w.shape[0]):
-        out = torch.where((expert == e).unsqueeze(1), xd @ w[e].to(dtype), out)
-    return out
-
-
-def looped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """:func:`grouped_mm` as a loop over the experts (any dtype and device; reads the offsets on the host);
-    rows past the last offset give zeros."""
-    dtype = _compute_dtype(x)
-    if offsets.is_meta:  # a capture on the meta device (parallelize_'s): shapes only, no counts to read
-        return x.new_empty(x.shape[0], w.shape[-1], dtype=dtype)
-    ends = offsets.tolist()
-    starts = [0, *ends[:-1]]
-    parts = [x[a:b].to(dtype) @ w[e].to(dtype) for e, (a, b) in enumerate(zip(starts, ends, strict=True))]
-    past = x.shape[0] - (ends[-1] if ends else 0)  # rows past the last offset (dropped assignments): zeros
-    parts.append(x.new_zeros(past, w.shape[-1], dtype=dtype))
-    return torch.cat(parts)
 
 
 class Experts(nn.Module):
@@ -153,25 +89,17 @@ class Experts(nn.Module):
             nn.init.normal_(getattr(self, f"{name}_down"), mean=0.0, std=std)
             nn.init.normal_(getattr(self, f"{name}_up"), mean=0.0, std=std)
 
-    def _project(self, name: str, x: Tensor, offsets: Tensor, mm) -> Tensor:
+    def _project(self, name: str, x: Tensor, offsets: Tensor) -> Tensor:
         if self.rank is None:
-            return mm(x, getattr(self, name), offsets)
-        latent = mm(x, getattr(self, f"{name}_down"), offsets)
+            return grouped_mm(x, getattr(self, name), offsets)
+        latent = grouped_mm(x, getattr(self, f"{name}_down"), offsets)
         if self.activation is not None:
             latent = ACTIVATIONS[self.activation](latent)
-        return mm(latent, getattr(self, f"{name}_up"), offsets)
+        return grouped_mm(latent, getattr(self, f"{name}_up"), offsets)
 
-    def _mlp(self, rows: Tensor, offsets: Tensor, mm) -> Tensor:
-        hidden = F.silu(self._project("gate", rows, offsets, mm)) * self._project("up", rows, offsets, mm)
-        return self._project("down", hidden, offsets, mm)
-
-    def _products(self, rows: Tensor) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
-        """The grouped GEMM where the kernel runs; else, traced, :func:`masked_mm` (one graph, which
-        ``parallelize_`` needs); else, eager, :func:`looped_mm`."""
-        widths = (self.dim, self.ffn_dim) if self.rank is None else (self.dim, self.ffn_dim, self.rank)
-        if grouped_kernel(rows, widths):
-            return grouped_mm
-        return masked_mm if torch.compiler.is_compiling() else looped_mm
+    def _mlp(self, rows: Tensor, offsets: Tensor) -> Tensor:
+        hidden = F.silu(self._project("gate", rows, offsets)) * self._project("up", rows, offsets)
+        return self._project("down", hidden, offsets)
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """``hidden`` [T, d]; token t's output is the sum over its k slots of ``top_k_weights[t, j]``
@@ -183,18 +111,10 @@ class Experts(nn.Module):
         token = torch.div(order, k, rounding_mode="floor")
         experts = torch.arange(self.num_experts, device=flat.device)
         offsets = (flat.unsqueeze(1) == experts).sum(0).cumsum(0).to(torch.int32)
-        rows = hidden[token]
-        mm = self._products(rows)
-        past = None
-        if mm is grouped_mm:  # the kernel leaves rows past the last offset unwritten, in both directions
-            past = (flat[order] >= self.num_experts).unsqueeze(1)
-            rows = rows.masked_fill(past, 0)  # its backward: no gradient from those rows reaches hidden
-        out = self._mlp(rows, offsets, mm)
+        # rows past the last offset (the sentinel's) give 0 and receive 0 from every grouped product
+        out = self._mlp(hidden[token], offsets)
         weight = top_k_weights.reshape(-1)[order].unsqueeze(1)
-        contribution = (out * weight).to(hidden.dtype)
-        if past is not None:
-            contribution = contribution.masked_fill(past, 0)
-        return torch.zeros_like(hidden).index_add(0, token, contribution)
+        return torch.zeros_like(hidden).index_add(0, token, (out * weight).to(hidden.dtype))
 
 
 #: MoE's buffers kept in float32 (or float64) when the model is cast to bf16 or fp16: a bias that

@@ -1,11 +1,10 @@
 """The reference model's mixture of experts (``n_experts``; presets ``tiny-moe``, ``tiny-moe-dense``).
 
 - the experts' forward is the formula, written out here per token with the model's own weights
-  (dense experts and CoLA ones), and its grouped GEMM (``torch._grouped_mm``) gives the loop's
-  products, an expert without tokens included;
+  (dense experts and CoLA ones; the grouped GEMM itself is test_grouped_gemm.py's);
 - the router sends each token to the top_k experts of its softmax, their scores renormalised;
-- backend="boost" follows the parity rule against eager and fp64, in one graph (fp32: each expert's
-  product on every row, each row keeping its own; bf16: the grouped GEMMs), counted;
+- backend="boost" follows the parity rule against eager and fp64, in one graph (fp32: the custom
+  grouped GEMM op; bf16: torch's grouped GEMM), counted;
 - parameter counts from the shapes, the experts found by expert parallelism's pattern, and the
   configs that cannot work refused.
 """
@@ -19,7 +18,7 @@ from conftest import check_against_eager
 
 from boost_compile.distributed.expert_parallel import find_experts
 from boost_compile.models import Llama, LlamaConfig
-from boost_compile.models.moe import Experts, MoE, experts_params, grouped_kernel, grouped_mm, looped_mm, masked_mm
+from boost_compile.models.moe import Experts, MoE, experts_params
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 TARGETS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -55,21 +54,6 @@ def test_experts_forward_is_the_formula(preset):
         torch.testing.assert_close(experts(hidden, index, weights), want)
 
 
-def test_grouped_gemm_is_the_loop():
-    gen = torch.Generator().manual_seed(3)
-    x, w = torch.randn(9, 8, generator=gen), torch.randn(4, 8, 12, generator=gen)
-    offsets = torch.tensor([2, 2, 7, 9], dtype=torch.int32)  # expert 1 gets no rows
-    want = torch.cat([x[0:2] @ w[0], x[2:7] @ w[2], x[7:9] @ w[3]])
-    torch.testing.assert_close(looped_mm(x, w, offsets), want)
-    torch.testing.assert_close(masked_mm(x, w, offsets), want)
-    # a row past the last offset (an assignment dropped) has no expert: zeros
-    assert torch.equal(masked_mm(x, w, torch.tensor([2, 2, 7, 7], dtype=torch.int32))[7:], torch.zeros(2, 12))
-    assert grouped_kernel(x, (8, 12))
-    torch.testing.assert_close(grouped_mm(x, w, offsets), want)
-    # the kernel's strides are multiples of 16 bytes: 5 fp32 columns go to the loop
-    assert not grouped_kernel(x, (8, 5)) and not grouped_kernel(x.double(), (8, 12))
-
-
 def test_router_picks_the_top_k_and_renormalises():
     moe = moe_model().layers[0].mlp
     assert isinstance(moe, MoE)
@@ -97,26 +81,26 @@ def test_parameter_count_from_the_shapes(preset):
 
 
 def _graphs_of(options=None):
-    """Compile ``model`` with the boost backend, counting each graph's grouped GEMMs and ``where``s."""
+    """Compile with the boost backend, counting each graph's grouped GEMMs: torch's, and the custom op's."""
     from boost_compile.backend import boost_backend
 
     graphs = []
 
     def counting(gm, inputs):
         ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-        graphs.append((ops.count(torch._grouped_mm), ops.count(torch.where)))
+        graphs.append((ops.count(torch._grouped_mm), ops.count(torch.ops.boost.grouped_mm.default)))
         return boost_backend(gm, inputs, options)
 
     return lambda m: torch.compile(m, backend=counting), graphs
 
 
-def test_backend_boost_fp32_traces_the_masked_products_in_one_graph():
-    """fp32 on the CPU: no grouped kernel under compile, so each expert matrix is computed for every
-    row and each row keeps its own expert's (4 experts x 6 factors of a CoLA block: 24 wheres), in
-    one graph (aot_eager inside the boost passes); the parity rule against eager and fp64."""
+def test_backend_boost_fp32_compiles_the_custom_grouped_gemm_in_one_graph():
+    """fp32 on the CPU: torch's kernel does not trace in fp32, so each of a CoLA block's 6 factors is
+    the custom op boost::grouped_mm, in one graph (aot_eager inside the boost passes); the parity
+    rule against eager and fp64."""
     compile_fn, graphs = _graphs_of({"inner": "aot_eager"})
     check_against_eager(moe_model(n_layers=1), compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe fp32")
-    assert graphs == [(0, 24)]
+    assert graphs == [(0, 6)]
 
 
 def test_backend_boost_bf16_puts_the_grouped_gemms_in_the_graph():
@@ -126,6 +110,14 @@ def test_backend_boost_bf16_puts_the_grouped_gemms_in_the_graph():
     model = moe_model(n_layers=1).to(torch.bfloat16)
     check_against_eager(model, compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe bf16")
     assert graphs == [(6, 0)]
+
+
+@pytest.mark.extended
+def test_backend_boost_fp32_with_inductor():
+    """Inductor compiles the graph around the custom op (fp32, one layer): the parity rule."""
+    compile_fn, graphs = _graphs_of()
+    check_against_eager(moe_model(n_layers=1), compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe fp32 inductor")
+    assert graphs == [(0, 6)]
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
