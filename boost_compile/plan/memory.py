@@ -33,8 +33,8 @@ with the head, the root) are cut over the ``dp_shard`` ranks, each rank holding 
 ``optimizer`` are the sliced sums and there are no DDP buckets. Gathered for compute,
 in FSDP2's ``param_dtype`` (bf16 under bf16-mixed, else the weights'):
 
-- ``fsdp_gathered``: the largest block unit's whole TP shard times the blocks alive at
-  once: the one computing and the one prefetched (2), or with
+- ``fsdp_gathered``: the block units alive at once, each its whole TP shard: the largest
+  two in a row (the one computing and the one prefetched), or with
   ``reshard_after_forward=false`` every block (each stays gathered from its forward to
   its backward);
 - ``fsdp_kept``: the units that stay gathered from their forward to their backward: the
@@ -86,6 +86,16 @@ TP). Under EP the busiest rank receives ``imbalance`` times the mean routed rows
 ``moe_imbalance``). With checkpointing a block compiled whole recomputes its experts; under EP the
 dispatch and the experts run eagerly between graphs (boost-train's dispatch is not compiled), so
 what they save is kept whatever the mode.
+
+EP under FSDP2 / HSDP (``ep > 1``, ``dp_shard > 1``; ep divides dp x dp_shard): ``fully_shard``
+ignores the experts, so a rank holds its ``n_experts / ep`` of them whole (params, grads, AdamW),
+whatever dp_shard, beside its ``1 / dp_shard`` slice of every other tensor; FSDP2's units are the
+blocks less their experts (``fsdp_gathered``, ``fsdp_kept``, the reduce-scatter input), and under
+gradient accumulation ``fsdp_accum`` holds the experts' whole gradients as well. After the
+backward, with ep below the data ranks, the replicas' all-reduce flattens the experts' gradients
+into one tensor (phase ``"replicas"``: the gradients and that copy); AdamW's update temporary at
+the optimizer step, the size of all the rank's parameters, is larger, so as modelled that phase
+never sets the peak.
 """
 
 from __future__ import annotations

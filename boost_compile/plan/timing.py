@@ -90,8 +90,14 @@ mode, ZeRO and a schedule; this module adds what each costs:
   ``internode_bus_bandwidth``, both at once, plus ``collective_latency``; exposed (boost-train runs
   the dispatch eagerly, between the compiled graphs). Parameters are counted from the model's
   tensors, not the dense shape: AdamW's passes over the rank's (its experts / ep) and DDP's
-  all-reduce of all but the experts under EP (EP uses every dp rank as an EP rank); without EP the
-  experts are whole on every rank, all-reduced by DDP or gathered by FSDP2 with their block.
+  all-reduce of all but the experts under EP; without EP the experts are whole on every rank,
+  all-reduced by DDP or gathered by FSDP2 with their block. With ep below the data ranks the
+  experts' gradients are all-reduced over their data_ranks / ep replicas after the backward
+  (:func:`expert_replicas_time`, exposed; across nodes when the data ranks span them). Under
+  FSDP2 / HSDP with EP (tp = 1) FSDP2 ignores the experts: its gathers and reduce-scatters move
+  each block less its experts (every block's unit priced on its own, :attr:`Moe.block_units`), the
+  optimizer steps the rank's experts whole and 1/n of the rest, and the all-to-alls and the
+  replicas' all-reduce are those of DDP's EP.
   Multi-head latent attention (or a head width other than d / heads) is priced from the scale
   model's attention GEMMs scaled by the attention's parameters over the dense block's 4 d^2, and its
   core attention at its own widths (q.k over qk_head_dim, p.v over v_head_dim: their mean).
