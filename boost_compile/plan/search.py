@@ -221,7 +221,8 @@ def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str
     sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing the data ranks and
     n_experts; the data_ranks / ep groups replicas of each other), under DDP with TP or without, and
     (``fsdp``) under FSDP2 / HSDP at tp = 1: every dp x dp_shard of :func:`_sharded`, FSDP2 ignoring
-    the experts. Never with pipeline stages or ZeRO-1, nor TP with FSDP2; none for a model without experts."""
+    the experts. Never ZeRO-1 nor TP with FSDP2 (refused); not with pipeline stages, which boost-train
+    runs but the planner does not price yet; none for a model without experts."""
     spec = job.spec
     data = job.devices // tp
     if not spec.moe or data < 2 or job.batch % data:
