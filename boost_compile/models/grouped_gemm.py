@@ -3,13 +3,13 @@
     grouped_mm(x [N, d_in], w [E, d_in, d_out], offsets [E]) -> [N, d_out]
     rows offsets[e-1]:offsets[e] times w[e]; rows past offsets[-1] (dropped assignments) give 0
 
-``torch._grouped_mm`` is the kernel, where it runs: bfloat16 (a CPU, or a GPU of sm90 and later),
-and float32 / float16 on the CPU; every width a multiple of 16 bytes. Traced by ``torch.compile``
-only in bfloat16 (its meta function asks for it). Everything else (float64, float32 under a
-compile, an odd width, an older GPU) goes through ``boost::grouped_mm``, a custom op whose
-implementation runs the kernel or a loop over the experts' rows: opaque to the compiler, its
-output shape known from its inputs, so a model compiles as one graph in any dtype, at the FLOPs of
-the grouped product (not once per expert).
+It is one custom op, ``boost::grouped_mm``, opaque to the compiler (its output shape known from its
+inputs, so a model compiles as one graph in any dtype) and its own backward. Inside, it runs
+``torch._grouped_mm`` where that kernel runs (bfloat16 on a CPU or a GPU of sm90 and later, float32
+and float16 on a CPU; every width a multiple of 16 bytes), else a loop over the experts' rows
+(float64 included). torch's op is not put in the graph itself: its meta function accepts only
+bfloat16, and it has no float64 kernel, so a graph holding it could not be run again in float64,
+which is how ``verify`` checks every rewrite.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import Tensor
 ALIGN_BYTES = 16
 
 
-def _kernel_runs(x: Tensor, w: Tensor, traced: bool) -> bool:
-    """Whether ``torch._grouped_mm`` multiplies ``x`` by ``w`` here (``traced``: inside a compile)."""
+def _kernel_runs(x: Tensor, w: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` multiplies ``x`` by ``w`` here (eagerly)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     if any(n * x.dtype.itemsize % ALIGN_BYTES for n in (x.shape[-1], w.shape[-1])):
@@ -31,7 +31,7 @@ def _kernel_runs(x: Tensor, w: Tensor, traced: bool) -> bool:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     if x.device.type != "cpu":
         return False
-    return x.dtype == torch.bfloat16 or (not traced and x.dtype in (torch.float32, torch.float16))
+    return x.dtype in (torch.bfloat16, torch.float32, torch.float16)
 
 
 def _looped(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
@@ -63,7 +63,7 @@ def _tail_zeroed(out: Tensor, offsets: Tensor) -> Tensor:
 
 @torch.library.custom_op("boost::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    if _kernel_runs(x, w, traced=False):
+    if _kernel_runs(x, w):
         return _tail_zeroed(torch._grouped_mm(x, w, offs=offsets), offsets)
     return _looped(x, w, offsets)
 
@@ -76,7 +76,7 @@ def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 @torch.library.custom_op("boost::grouped_mm_weight_grad", mutates_args=())
 def _weight_grad_op(x: Tensor, grad: Tensor, offsets: Tensor, experts: int) -> Tensor:
     """``[E, d_in, d_out]``: for each expert, its rows of ``x`` transposed times their ``grad``."""
-    if _kernel_runs(x, grad, traced=False) and x.shape[0] % (ALIGN_BYTES // x.dtype.itemsize) == 0:
+    if _kernel_runs(x, grad) and x.shape[0] % (ALIGN_BYTES // x.dtype.itemsize) == 0:
         return torch._grouped_mm(x.t(), grad, offs=offsets)
     return _looped_weight_grad(x, grad, offsets, experts)
 
@@ -111,10 +111,4 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
         dtype = torch.get_autocast_dtype(kind)
     else:
         dtype = x.dtype
-    x, w = x.to(dtype), w.to(dtype)
-    if torch.compiler.is_compiling() and _kernel_runs(x, w, traced=True):
-        # the kernel leaves the rows past the last offset unwritten, forward and backward: masked
-        # on both sides (static shapes, no host read), so they give 0 and receive 0
-        kept = (torch.arange(x.shape[0], device=x.device) < offsets[-1]).unsqueeze(1)
-        return torch.where(kept, torch._grouped_mm(torch.where(kept, x, 0), w, offs=offsets), 0)
-    return _grouped_mm_op(x.contiguous(), w.contiguous(), offsets)
+    return _grouped_mm_op(x.to(dtype).contiguous(), w.to(dtype).contiguous(), offsets)

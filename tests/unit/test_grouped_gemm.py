@@ -1,8 +1,8 @@
 """The experts' grouped GEMM (``boost_compile.models.grouped_gemm``): each row times its expert's
 matrix, forward and both gradients, against the products written out per expert, in float64,
 float32 and bfloat16, an expert without rows and dropped rows (past the last offset) included;
-eager and compiled (float32 compiles the custom op ``boost::grouped_mm`` into one graph); the op
-passes torch.library's own checks."""
+eager and compiled (the custom op ``boost::grouped_mm`` in one graph); the op passes
+torch.library's own checks."""
 
 from __future__ import annotations
 
@@ -48,14 +48,15 @@ def test_rows_times_their_experts_matrix_and_both_gradients(dtype, compiled):
     assert torch.all(out[10:] == 0) and torch.all(w.grad[1] == 0)  # the dropped rows; the expert with none
 
 
-def test_float32_compiles_as_one_graph_through_the_custom_op():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiles_as_one_graph_through_the_custom_op(dtype):
     graphs = []
 
     def backend(gm, _inputs):
         graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
         return gm
 
-    x, w = inputs(torch.float32)
+    x, w = inputs(dtype)
     torch.compile(grouped_mm, fullgraph=True, backend=backend)(x, w, OFFSETS)
     assert len(graphs) == 1 and torch.ops.boost.grouped_mm.default in graphs[0]
 

@@ -3,8 +3,8 @@
 - the experts' forward is the formula, written out here per token with the model's own weights
   (dense experts and CoLA ones; the grouped GEMM itself is test_grouped_gemm.py's);
 - the router sends each token to the top_k experts of its softmax, their scores renormalised;
-- backend="boost" follows the parity rule against eager and fp64, in one graph (fp32: the custom
-  grouped GEMM op; bf16: torch's grouped GEMM), counted;
+- backend="boost" follows the parity rule against eager and fp64, in one graph, the custom grouped
+  GEMM op counted in it (fp32 and bf16);
 - parameter counts from the shapes, the experts found by expert parallelism's pattern, and the
   configs that cannot work refused.
 """
@@ -95,21 +95,20 @@ def _graphs_of(options=None):
 
 
 def test_backend_boost_fp32_compiles_the_custom_grouped_gemm_in_one_graph():
-    """fp32 on the CPU: torch's kernel does not trace in fp32, so each of a CoLA block's 6 factors is
-    the custom op boost::grouped_mm, in one graph (aot_eager inside the boost passes); the parity
-    rule against eager and fp64."""
+    """fp32 on the CPU: each of a CoLA block's 6 factors is the custom op boost::grouped_mm, in one
+    graph (aot_eager inside the boost passes); the parity rule against eager and fp64."""
     compile_fn, graphs = _graphs_of({"inner": "aot_eager"})
     check_against_eager(moe_model(n_layers=1), compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe fp32")
     assert graphs == [(0, 6)]
 
 
 def test_backend_boost_bf16_puts_the_grouped_gemms_in_the_graph():
-    """In bf16 ``torch._grouped_mm`` traces (Inductor compiles it): one graph, 6 grouped GEMMs in a CoLA
-    MoE block (3 matrices x 2 factors), and the parity rule against eager bf16 and fp64."""
+    """bf16 through Inductor: one graph, the 6 grouped GEMMs of a CoLA MoE block (3 matrices x 2
+    factors; torch's kernel inside the custom op), and the parity rule against eager bf16 and fp64."""
     compile_fn, graphs = _graphs_of()
     model = moe_model(n_layers=1).to(torch.bfloat16)
     check_against_eager(model, compile_fn, lambda m, _: m(TOKENS, TARGETS), what="tiny-moe bf16")
-    assert graphs == [(6, 0)]
+    assert graphs == [(0, 6)]
 
 
 @pytest.mark.extended
