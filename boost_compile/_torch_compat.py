@@ -419,3 +419,43 @@ def trunc_normal_hook(hook: Any) -> Iterator[None]:
         yield
     finally:
         init._no_grad_trunc_normal_ = original
+
+
+#: torch's grouped GEMM as it appears in a captured graph (the Python binding, or the aten op)
+GROUPED_MM_TARGETS = tuple(t for t in (getattr(torch, "_grouped_mm", None),
+                                       getattr(torch.ops.aten, "_grouped_mm", None)) if t is not None)
+
+
+def grouped_mm_loop(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, bias: Any = None,
+                    out_dtype: Any = None) -> torch.Tensor:
+    """``torch._grouped_mm``'s products as a loop of plain matmuls, in any dtype: its kernels have no
+    float64, which a graph's float64 reference needs. The four forms: 2-D x 3-D (rows of ``a``
+    grouped by ``offs``), 3-D x 2-D (columns of ``b``), 2-D x 2-D (the inner dimension: [G, m, n]),
+    3-D x 3-D (a batched matmul, no offsets). Rows or columns past the last offset are 0."""
+    if bias is not None:
+        raise NotImplementedError("grouped_mm_loop: a bias is not supported")
+    ends = offs.tolist() if offs is not None else []
+    spans = list(zip([0, *ends[:-1]], ends, strict=True)) if ends else []
+    if a.dim() == 3 and b.dim() == 3:
+        out = torch.bmm(a, b)
+    elif a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        for g, (s, e) in enumerate(spans):
+            out[s:e] = a[s:e] @ b[g]
+    elif a.dim() == 3 and b.dim() == 2:
+        out = a.new_zeros(a.shape[1], b.shape[-1])
+        for g, (s, e) in enumerate(spans):
+            out[:, s:e] = a[g] @ b[:, s:e]
+    else:
+        out = torch.stack([a[:, s:e] @ b[s:e] for s, e in spans])
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has the grouped GEMM kernel (``torch._grouped_mm``)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's grouped GEMM kernel (:func:`grouped_mm_loop` gives its forms)."""
+    return torch._grouped_mm(a, b, offs=offs)

@@ -109,7 +109,7 @@ class VerifyReport:
 
 def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` whose narrow float dtype literals and casts (``.float()``) are float64
-    (inputs are upcast by the caller)."""
+    (inputs are upcast by the caller), and whose grouped GEMMs (no float64 kernel) are loops."""
     graph = copy_graph(gm.graph)
 
     def widen(a: Any) -> Any:
@@ -120,6 +120,8 @@ def float64_graph(gm: fx.GraphModule) -> fx.GraphModule:
         node.kwargs = fx.node.map_aggregate(node.kwargs, widen)
         if node.op == "call_method" and node.target in _NARROW_METHODS:  # x.float(): no fp32 rounding either
             node.target = "double"
+        if node.op == "call_function" and node.target in compat.GROUPED_MM_TARGETS:  # no float64 kernel
+            node.target = compat.grouped_mm_loop
     wide = fx.GraphModule(gm, graph)
     for node in graph.nodes:  # the graph's own constants (compile-time factors), widened on the copy
         if node.op == "get_attr":

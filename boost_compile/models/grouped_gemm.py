@@ -17,13 +17,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from boost_compile import _torch_compat as compat
+
 #: the kernel's rule: every stride a multiple of this many bytes
 ALIGN_BYTES = 16
 
 
 def _kernel_runs(x: Tensor, w: Tensor) -> bool:
     """Whether ``torch._grouped_mm`` multiplies ``x`` by ``w`` here (eagerly)."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+    if not compat.has_grouped_mm() or x.dtype != w.dtype:
         return False
     if any(n * x.dtype.itemsize % ALIGN_BYTES for n in (x.shape[-1], w.shape[-1])):
         return False
@@ -64,7 +66,7 @@ def _tail_zeroed(out: Tensor, offsets: Tensor) -> Tensor:
 @torch.library.custom_op("boost::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     if _kernel_runs(x, w):
-        return _tail_zeroed(torch._grouped_mm(x, w, offs=offsets), offsets)
+        return _tail_zeroed(compat.grouped_mm(x, w, offsets), offsets)
     return _looped(x, w, offsets)
 
 
@@ -77,7 +79,7 @@ def _(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 def _weight_grad_op(x: Tensor, grad: Tensor, offsets: Tensor, experts: int) -> Tensor:
     """``[E, d_in, d_out]``: for each expert, its rows of ``x`` transposed times their ``grad``."""
     if _kernel_runs(x, grad) and x.shape[0] % (ALIGN_BYTES // x.dtype.itemsize) == 0:
-        return torch._grouped_mm(x.t(), grad, offs=offsets)
+        return compat.grouped_mm(x.t(), grad, offsets)
     return _looped_weight_grad(x, grad, offsets, experts)
 
 

@@ -124,3 +124,18 @@ def test_is_opaque_node_without_the_helper(monkeypatch):
         monkeypatch.delattr(graph_compile, "is_opaque_node")
     graph = torch.fx.Graph()
     assert compat.is_opaque_node(graph.placeholder("x")) is False
+
+
+def test_the_grouped_gemm_loop_gives_the_kernels_four_forms() -> None:
+    """grouped_mm_loop against torch's kernel (float32, where both run): rows, columns and the inner
+    dimension grouped by offsets, and the batched form without them."""
+    from boost_compile import _torch_compat as compat
+
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([4, 4, 12], dtype=torch.int32)
+    cases = [(torch.randn(12, 8, generator=gen), torch.randn(3, 8, 16, generator=gen), offs),   # 2-D x 3-D
+             (torch.randn(3, 4, 8, generator=gen), torch.randn(8, 12, generator=gen), offs),    # 3-D x 2-D
+             (torch.randn(12, 8, generator=gen).t(), torch.randn(12, 16, generator=gen), offs),  # 2-D x 2-D
+             (torch.randn(3, 4, 8, generator=gen), torch.randn(3, 8, 16, generator=gen), None)] # 3-D x 3-D
+    for a, b, o in cases:
+        torch.testing.assert_close(compat.grouped_mm_loop(a, b, o), compat.grouped_mm(a, b, o))

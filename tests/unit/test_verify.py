@@ -280,3 +280,26 @@ def test_the_verifier_lets_go_of_its_runs_after_the_first_call(monkeypatch):
     assert verifier.report.checks and all(c.status == "verified" for c in verifier.report.checks)
     assert (verifier.eager, verifier.truth, verifier.inputs, verifier.captured) == (None, None, None, None)
     assert not verifier.available  # nothing can be checked against a released reference
+
+
+def test_the_float64_copy_runs_a_grouped_gemm_as_a_loop():
+    """torch's grouped GEMM has no float64 kernel: in the float64 copy it is the loop of matmuls, so a
+    bf16 MoE graph (transformers' experts trace it) keeps its float64 reference."""
+    from boost_compile import _torch_compat as compat
+    from boost_compile.verify import float64_graph
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    offs = torch.tensor([2, 2, 7, 9], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(9, 8, generator=gen), torch.randn(4, 8, 16, generator=gen)
+    torch.compile(lambda a, b, o: compat.grouped_mm(a, b, o), backend=keep, fullgraph=True)(
+        x.bfloat16(), w.bfloat16(), offs)
+    wide = float64_graph(graphs[0])
+    (out,) = wide(x.double(), w.double(), offs)
+    want = torch.cat([x[:2].double() @ w[0].double(), x[2:7].double() @ w[2].double(), x[7:].double() @ w[3].double()])
+    assert out.dtype == torch.float64 and torch.equal(out, want)
