@@ -34,6 +34,7 @@ from boost_compile.train.config import (
     check_choices,
 )
 from boost_compile.train.tokenizer import BYTE_VOCAB, BYTES, Tokenizer, parse_spec
+from boost_compile.train.validate_data_parallel import check_ep, check_fsdp
 
 
 @dataclass
@@ -473,57 +474,6 @@ def check_pipeline(tc: TrainConfig, shape: ModelShape) -> None:
                 f"parallel.pp_schedule={par.pp_schedule} needs parallel.microbatches ({n_mb}) to be a multiple "
                 f"of the rounds microbatches // pp = {rounds}; use a multiple of parallel.pp={par.pp}"
             )
-
-
-def check_fsdp(tc: TrainConfig) -> None:
-    """``parallel.dp_shard > 1`` (FSDP2): what it composes with in this build."""
-    par = tc.parallel
-    if par.dp_shard == 1:
-        return
-    if par.pp > 1 and par.pp_schedule == "zero_bubble":
-        raise ConfigError(
-            "parallel.pp_schedule=zero_bubble computes each stage's weight gradients apart from its input gradients, "
-            "and FSDP2 (parallel.dp_shard > 1) then reduces other gradients than the whole model's (measured: wrong "
-            "gradients from the first step); use pp_schedule=1f1b, gpipe or interleaved_1f1b with FSDP2"
-        )
-    if par.tp > 1 and par.plan == "vanilla":
-        raise ConfigError("parallel.dp_shard > 1 (FSDP2) shards btp's and megatron's TP shards; parallel.plan=vanilla's "
-                          "DTensor parameters are not supported with it: use plan=btp or megatron")
-    if par.zero:
-        raise ConfigError(
-            "parallel.zero=1 shards the optimizer state over the DDP replicas, and parallel.dp_shard > 1 (FSDP2) "
-            "already shards it with the weights and gradients; set parallel.zero=0"
-        )
-    if tc.passes.backend != "none" and tc.passes.unit != "block":
-        raise ConfigError(
-            f"parallel.dp_shard={par.dp_shard} (FSDP2) shards the model block by block around blocks compiled one "
-            "by one; use passes.unit=block (got passes.unit=model)"
-        )
-    # trainer.memory_report runs here with the blocks compiled one by one (train/parallel.py compiles_per_block)
-
-
-def check_ep(tc: TrainConfig, shape: ModelShape | None = None) -> None:
-    """``parallel.ep > 1``: the experts sharded over groups of ep DDP ranks (and TP on the rest), and what it
-    composes with yet."""
-    par = tc.parallel
-    _positive("parallel.ep", par.ep)
-    if par.ep == 1:
-        return
-    others = ["zero=1"] if par.zero else []
-    others += [f"tp={par.tp} with dp_shard={par.dp_shard}"] if par.tp > 1 and par.dp_shard > 1 else []
-    if others:
-        raise ConfigError(f"parallel.ep={par.ep} shards the experts over data-parallel ranks (DDP with tp or not, or "
-                          f"FSDP2 / HSDP, with pipeline stages or not) for now: not with parallel.{', parallel.'.join(others)}; "
-                          "use parallel.ep=1 with them")
-    if par.data_ranks % par.ep:
-        data = f"parallel.dp={par.dp}" + (f" x dp_shard={par.dp_shard}" if par.dp_shard > 1 else "")
-        raise ConfigError(f"parallel.ep={par.ep} shards the experts over groups of ep data-parallel ranks: it must divide "
-                          f"the {par.data_ranks} of {data}")
-    reference = shape.llama_config if shape is not None else None
-    if tc.model.hf_path is None and tc.model.hf_config is None and not getattr(reference, "n_experts", 0):
-        raise ConfigError(f"parallel.ep={par.ep} shards mixture-of-experts layers, and preset {tc.model.preset!r} has none; "
-                          "use an MoE preset (model=tiny-moe, or model.overrides.n_experts=N) or a Hugging Face MoE "
-                          "(model=hf with hf_path, or hf_config with a model_type such as qwen3_moe)")
 
 
 def validate(cfg: Any, world_size: int | None = None) -> tuple[TrainConfig, ModelShape]:
