@@ -97,6 +97,7 @@ def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
     assert_train_parity(resumed, references, "EP2 over DP4 -> one process", first=2)
 
 
+@pytest.mark.extended
 def test_ep2_under_fsdp2_trains_like_one_process(references, tmp_path):
     """FSDP2 shards every parameter but the experts (ignored_params: each rank's own already)."""
     out = tmp_path / "run"
