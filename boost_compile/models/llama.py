@@ -552,11 +552,12 @@ class Llama(nn.Module):
         logits = logits.flatten(0, 1)
         if logits.dtype != torch.float64:  # the loss in fp32 (bf16 logits upcast), an fp64 model's in fp64
             logits = logits.float()
-        loss = F.cross_entropy(logits, targets.flatten())
         aux = self._router_aux_loss()
-        if aux is not None:  # zero in value, the balance loss's gradient in the backward
-            loss = loss + self.config.router_aux_loss_coef * (aux - aux.detach()).to(loss.dtype)
-        return loss
+        if aux is None:  # returned as it is: the graph's node keeps the name cross_entropy (explain, TP reports)
+            return F.cross_entropy(logits, targets.flatten())
+        # zero in value, the balance loss's gradient in the backward
+        return F.cross_entropy(logits, targets.flatten()) + \
+            self.config.router_aux_loss_coef * (aux - aux.detach()).to(logits.dtype)
 
     def _router_aux_loss(self) -> Tensor | None:
         """The mean of the MoE layers' balance losses of this forward (taken off them), or None."""
