@@ -535,7 +535,9 @@ def materialize_(model: nn.Module, source: WeightSource, device: torch.device | 
     for name, p in list(model.named_parameters()):
         if not p.is_meta:
             continue
-        new = type(p)(values(key(name), p, None).to(device), requires_grad=p.requires_grad)
+        # contiguous, as a module built eagerly holds it (an SVD factor's values come transposed): the same
+        # layout, the same GEMM kernels and bits as the model saved and loaded again
+        new = type(p)(values(key(name), p, None).to(device).contiguous(), requires_grad=p.requires_grad)
         new.__dict__.update(p.__dict__)  # what parallelize_ put on it (_boost_tp)
         for module, pname in owners[id(p)]:
             module._parameters[pname] = new
