@@ -219,10 +219,10 @@ def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str
                fsdp: bool = True) -> Iterator[Layout]:
     """Expert parallelism as boost-train runs it (``train/validate.py``'s ``check_ep``): the experts
     sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing the data ranks and
-    n_experts; the data_ranks / ep groups replicas of each other), under DDP with TP or without, and
-    (``fsdp``) under FSDP2 / HSDP at tp = 1: every dp x dp_shard of :func:`_sharded`, FSDP2 ignoring
-    the experts. Never ZeRO-1 nor TP with FSDP2 (refused); not with pipeline stages, which boost-train
-    runs but the planner does not price yet; none for a model without experts."""
+    n_experts; the data_ranks / ep groups replicas of each other), under DDP or (``fsdp``) FSDP2 /
+    HSDP (every dp x dp_shard of :func:`_sharded`, FSDP2 ignoring the experts), with TP or without.
+    Never ZeRO-1 (refused); not with pipeline stages, which boost-train runs but the planner does not
+    price yet; none for a model without experts."""
     spec = job.spec
     data = job.devices // tp
     if not spec.moe or data < 2 or job.batch % data:
@@ -232,7 +232,7 @@ def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str
         for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
             for ck in checkpoints:
                 yield Layout(tp, 1, data, 0, 1, "1f1b", ck, plan, ep=ep)
-    if fsdp and tp == 1:  # check_ep refuses TP with dp_shard > 1
+    if fsdp:  # FSDP2 ignores the experts, whole on each TP rank
         for lo in _sharded(job, tp, plans, checkpoints):
             yield from (replace(lo, ep=ep) for ep in degrees)
 

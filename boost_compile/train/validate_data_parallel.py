@@ -45,12 +45,9 @@ def check_ep(tc: TrainConfig, shape: Any = None) -> None:
         raise ConfigError(f"parallel.ep must be > 0, got {par.ep}")
     if par.ep == 1:
         return
-    others = ["zero=1"] if par.zero else []
-    others += [f"tp={par.tp} with dp_shard={par.dp_shard}"] if par.tp > 1 and par.dp_shard > 1 else []
-    if others:
-        raise ConfigError(f"parallel.ep={par.ep} shards the experts over data-parallel ranks (DDP with tp or not, or "
-                          f"FSDP2 / HSDP, with pipeline stages or not) for now: not with parallel.{', parallel.'.join(others)}; "
-                          "use parallel.ep=1 with them")
+    if par.zero:
+        raise ConfigError(f"parallel.ep={par.ep} shards the experts over data-parallel ranks (DDP or FSDP2 / HSDP, with "
+                          "TP and pipeline stages or not) for now: not with parallel.zero=1; use parallel.ep=1 with it")
     if par.data_ranks % par.ep:
         data = f"parallel.dp={par.dp}" + (f" x dp_shard={par.dp_shard}" if par.dp_shard > 1 else "")
         raise ConfigError(f"parallel.ep={par.ep} shards the experts over groups of ep data-parallel ranks: it must divide "

@@ -84,19 +84,21 @@ def test_expert_parallel_rows_are_those_boost_train_runs():
 
 
 def test_expert_parallel_rows_under_fsdp2_are_those_boost_train_runs():
-    """EP x FSDP2 / HSDP: every dp x dp_shard of the FSDP2 rows at tp = 1 (check_ep refuses TP with
-    dp_shard), ep dividing the data ranks and the experts; none without FSDP2."""
+    """EP x FSDP2 / HSDP: every dp x dp_shard of the FSDP2 rows, with TP (megatron) or without, ep
+    dividing the data ranks and the experts; none without FSDP2."""
     spec = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"], "num_experts": 4})
     j = job(spec, 8, per_node=4, batch=16, seq=256)
     rows = [lo for lo in layouts(j) if lo.ep > 1 and lo.dp_shard > 1]
-    expected = {(dp_shard, ep, reshard) for dp_shard in (2, 4, 8) for ep in (2, 4) for reshard in (True, False)}
-    assert {(lo.dp_shard, lo.ep, lo.reshard_after_forward) for lo in rows} == expected
+    # tp1: 8 data ranks (dp_shard 2, 4, 8); tp2: 4 (dp_shard 2, 4); ep 2 or 4 (the 4 experts)
+    expected = {(tp, dp_shard, ep, reshard) for tp, shards in ((1, (2, 4, 8)), (2, (2, 4))) for dp_shard in shards
+                for ep in (2, 4) for reshard in (True, False)}
+    assert {(lo.tp, lo.dp_shard, lo.ep, lo.reshard_after_forward) for lo in rows} == expected
     for lo in rows:
-        assert lo.tp == 1 and lo.pp == 1 and lo.zero == 0 and lo.data_ranks == 8
+        assert lo.pp == 1 and lo.zero == 0 and lo.data_ranks == 8 // lo.tp
         assert lo.data_ranks % lo.ep == 0 and spec.n_experts % lo.ep == 0
         assert {f"parallel.ep={lo.ep}", f"parallel.dp_shard={lo.dp_shard}"} <= set(lo.overrides())
         data = f"fsdp{lo.dp_shard}" if lo.dp == 1 else f"hsdp{lo.dp}x{lo.dp_shard}"
-        assert lo.label().startswith(f"tp1 {data}") and f" ep{lo.ep} " in lo.label()
+        assert lo.label().startswith(f"tp{lo.tp} {'megatron ' if lo.tp > 1 else ''}{data}") and f" ep{lo.ep} " in lo.label()
     assert Layout(1, 1, 2, dp_shard=4, ep=8).label() == "tp1 hsdp2x4 ep8 ckpt=none"
     assert not any(lo.ep > 1 and lo.dp_shard > 1 for lo in layouts(j, fsdp=False))
 
