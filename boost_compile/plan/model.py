@@ -101,6 +101,9 @@ class ModelSpec:
     norm: str = "rmsnorm"
     bias: bool = False
     tie_embeddings: bool = False
+    #: boost-train can cut it into pipeline stages: a preset, or a Hugging Face model type its
+    #: pipeline split knows (``distributed/pipeline.py``'s ``HF_MODEL_TYPES``); else no pp > 1 layout
+    pipeline: bool = True
     #: routed experts per MoE block (0: a dense model), and the experts each token goes to
     n_experts: int = 0
     top_k: int = 0
@@ -279,9 +282,11 @@ def from_llama_config(name: str, config: Any) -> ModelSpec:
     if n_experts:
         moe = {"n_experts": n_experts, "top_k": int(getattr(config, "experts_top_k", 2)),
                "expert_ffn_dim": int(getattr(config, "expert_ffn_dim", None) or config.ffn_dim)}
+    # boost-train refuses pipeline stages with the routers' balance loss (only the last stage computes the loss)
+    pipeline = not getattr(config, "router_aux_loss_coef", 0)
     return ModelSpec(name, config.dim, config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_dim,
                      config.vocab_size, config.projection, config.rank_attn, config.rank_mlp, config.norm,
-                     config.bias, config.tie_embeddings, **moe)
+                     config.bias, config.tie_embeddings, pipeline=pipeline, **moe)
 
 
 def _shape_presets() -> dict[str, tuple[str, dict[str, int]]]:
@@ -368,7 +373,7 @@ def from_hf_config(config: dict[str, Any] | str | Path, name: str | None = None)
     fields = {f: int(config[k]) for k, f in HF_KEYS.items()}
     fields["n_kv_heads"] = int(config.get("num_key_value_heads") or fields["n_heads"])
     return ModelSpec(name or model_type, **fields, projection="dense", bias=bool(config.get("attention_bias", False)),
-                     tie_embeddings=bool(config.get("tie_word_embeddings", False)))
+                     tie_embeddings=bool(config.get("tie_word_embeddings", False)), pipeline=_pipelined(model_type))
 
 
 def moe_from_hf(config: dict[str, Any], name: str | None = None) -> ModelSpec:
@@ -423,7 +428,14 @@ def moe_from_hf(config: dict[str, Any], name: str | None = None) -> ModelSpec:
                       expert_ffn_dim=int(c.intermediate_size))
     if not fields["n_experts"]:
         raise refuse("num_experts" if model_type != "deepseek_v3" else "n_routed_experts", "no experts")
-    return ModelSpec(name or model_type, **fields)
+    return ModelSpec(name or model_type, **fields, pipeline=_pipelined(model_type))
+
+
+def _pipelined(model_type: str) -> bool:
+    """Whether boost-train cuts a Hugging Face model of this type into pipeline stages."""
+    from boost_compile.distributed.pipeline import HF_MODEL_TYPES
+
+    return model_type in HF_MODEL_TYPES
 
 
 #: DeepSeek-V3-shaped models boost-plan knows by name (Hugging Face configs, nothing downloaded):

@@ -198,7 +198,7 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
             dp = job.devices // tp // pp
             if pp > spec.n_layers or job.batch % dp:
                 continue
-            if pp > 1 and (spec.tie_embeddings or spec.projection == "lax"):
+            if pp > 1 and (spec.tie_embeddings or spec.projection == "lax" or not spec.pipeline):
                 continue  # boost-train refuses these pipelines (see train/validate.py)
             replica = job.batch // dp
             for plan in plans if tp > 1 else plans[:1]:

@@ -299,3 +299,16 @@ def test_expert_replicas_are_averaged_when_ep_is_below_dp():
     across = expert_replicas_time(moe_of(job(spec, 8, per_node=2, batch=16), Layout(1, 1, 8, checkpoint="none",
                                                                                  plan="megatron", ep=2)), 8, hw, wl)
     assert across > inside
+
+
+def test_no_pipeline_layouts_for_what_boost_train_cannot_cut():
+    """A Hugging Face model type the pipeline split does not know (every MoE type here), and the reference
+    MoE with its balance loss, get no pp > 1 layout: boost-train would refuse the command printed."""
+    from boost_compile.distributed.pipeline import HF_MODEL_TYPES
+
+    moe = from_hf_config({"model_type": "qwen3_moe", **TINY["qwen3_moe"]})
+    assert "qwen3_moe" not in HF_MODEL_TYPES and not moe.pipeline
+    assert not [lo for lo in layouts(job(moe, 8, per_node=4, batch=16, seq=256)) if lo.pp > 1]
+    balanced = from_preset("tiny-moe", router_aux_loss_coef=0.01)
+    assert not balanced.pipeline and from_preset("tiny-moe").pipeline
+    assert any(lo.pp > 1 for lo in layouts(job(from_preset("tiny-moe"), 4, batch=16, seq=64)))
