@@ -207,6 +207,11 @@ def layouts(job: Job, *, plans: tuple[str, ...] | None = None, checkpoints: tupl
                 for zero in (0, 1) if dp > 1 else (0,):
                     for ck in checkpoints:
                         yield from _pipelines(Layout(tp, pp, dp, zero, 1, "1f1b", ck, plan), replica, spec.n_layers)
+                if ep and pp > 1:  # each stage's experts over its dp ranks (DDP; ZeRO-1 refused with ep)
+                    for e in _ep_degrees(spec, dp):
+                        for ck in checkpoints:
+                            yield from _pipelines(Layout(tp, pp, dp, 0, 1, "1f1b", ck, plan, ep=e), replica,
+                                                  spec.n_layers)
             if fsdp and pp > 1:
                 yield from _piped_sharded(job, tp, pp, plans, checkpoints)
         if fsdp:
@@ -221,13 +226,13 @@ def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str
     sharded over groups of ``ep`` consecutive data-parallel ranks (ep > 1 dividing the data ranks and
     n_experts; the data_ranks / ep groups replicas of each other), under DDP or (``fsdp``) FSDP2 /
     HSDP (every dp x dp_shard of :func:`_sharded`, FSDP2 ignoring the experts), with TP or without.
-    Never ZeRO-1 (refused); not with pipeline stages, which boost-train runs but the planner does not
-    price yet; none for a model without experts."""
+    Never ZeRO-1 (refused); with pipeline stages: :func:`layouts` (under DDP; not yet under FSDP2);
+    none for a model without experts."""
     spec = job.spec
     data = job.devices // tp
     if not spec.moe or data < 2 or job.batch % data:
         return
-    degrees = [e for e in divisors(data) if e > 1 and spec.n_experts % e == 0]
+    degrees = _ep_degrees(spec, data)
     for ep in degrees:
         for plan in [p for p in plans if p != "vanilla"] if tp > 1 else plans[:1]:  # vanilla: dp = 1 only
             for ck in checkpoints:
@@ -235,6 +240,13 @@ def ep_layouts(job: Job, tp: int, plans: tuple[str, ...], checkpoints: tuple[str
     if fsdp:  # FSDP2 ignores the experts, whole on each TP rank
         for lo in _sharded(job, tp, plans, checkpoints):
             yield from (replace(lo, ep=ep) for ep in degrees)
+
+
+def _ep_degrees(spec: ModelSpec, data_ranks: int) -> list[int]:
+    """The expert-parallel degrees boost-train accepts: above 1, dividing the data ranks and the experts."""
+    if not spec.moe:
+        return []
+    return [e for e in divisors(data_ranks) if e > 1 and spec.n_experts % e == 0]
 
 
 @functools.lru_cache(maxsize=256)

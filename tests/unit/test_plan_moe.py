@@ -4,6 +4,7 @@ Cheap: no processes, no compile; the Hugging Face models are built on the meta d
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -312,3 +313,18 @@ def test_no_pipeline_layouts_for_what_boost_train_cannot_cut():
     balanced = from_preset("tiny-moe", router_aux_loss_coef=0.01)
     assert not balanced.pipeline and from_preset("tiny-moe").pipeline
     assert any(lo.pp > 1 for lo in layouts(job(from_preset("tiny-moe"), 4, batch=16, seq=64)))
+
+
+def test_expert_parallel_pipeline_rows_under_ddp():
+    """The reference MoE can be cut into stages: pp > 1 rows with ep dividing dp and the experts, ZeRO 0,
+    no FSDP2; each stage's experts divided by ep (the stage's expert state falls as 1/ep)."""
+    spec = from_preset("tiny-moe", n_experts=8)
+    j = job(spec, 8, batch=16, seq=64)
+    rows = [lo for lo in layouts(j) if lo.pp > 1 and lo.ep > 1]
+    assert rows and {(lo.pp, lo.dp, lo.ep) for lo in rows} == {(2, 4, 2), (2, 4, 4)}  # pp <= its 2 blocks
+    assert all(lo.zero == 0 and lo.dp_shard == 1 and lo.dp % lo.ep == 0 for lo in rows)
+    base = Layout(1, 2, 4, 0, 4, "1f1b", "none", "btp")
+    terms = [price(j, replace(base, ep=e)).terms_gib["params"] for e in (1, 2, 4)]
+    # one stage holds one of tiny's 2 blocks: its experts are the stage's share the others lose
+    experts = sum(t.numel for t in spec.tensors() if t.role == "expert") / 2 * 2**-30 * 4
+    assert terms[0] - terms[1] == pytest.approx(experts / 2) and terms[0] - terms[2] == pytest.approx(experts * 3 / 4)
