@@ -271,7 +271,8 @@ class Checkpointer:
                 model_sd, optim_sd = over_fsdp(self.model, self.dev.mesh, model_sd, optim_sd)
             model_sd, optim_sd = to_saved(self.model, self.dev.mesh["tp"], model_sd, optim_sd)
         if self.dev.ep > 1:  # each rank of an expert group its own experts: shards of the whole
-            model_sd, optim_sd = experts_saved(self.model, self.dev.experts_mesh, model_sd, optim_sd)
+            model_sd, optim_sd = experts_saved(self.model, self.dev.experts_mesh, model_sd, optim_sd,
+                                               self.dev.ep_edp_mesh)
         rng = {"torch": torch.get_rng_state(), "python": _pickled(random.getstate())}
         if self.dev.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.dev.device)

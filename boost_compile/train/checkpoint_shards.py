@@ -95,13 +95,16 @@ def to_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: di
     return model_sd, map_optim_state(optim_sd, wrap)
 
 
-def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> tuple[dict, dict]:
+def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_sd: dict[str, Any],
+                  sharded_mesh: Any = None) -> tuple[dict, dict]:
     """Expert parallelism: each rank's experts (``_boost_ep``), and their optimizer state, as
     DTensors ``Shard(0)`` of the whole over ``mesh`` (the dp ranks they are sharded over; a 2-D
     ``(edp, ep)`` mesh where groups of ranks hold the same experts: ``Replicate(), Shard(0)``), so DCP
     saves every rank's experts where they belong and loads them into any other ``ep`` or into one
     process. Plain tensors under one name would be taken for replicas: one rank's experts saved
-    for all. New dicts, as :func:`to_saved`'s."""
+    for all. Experts FSDP2 shards over their replicas' ranks (DTensors over ``edp``) are saved over
+    ``sharded_mesh`` (``(ep, edp)``) as ``Shard(0), Shard(0)``: cut by ep, then by FSDP2. New dicts,
+    as :func:`to_saved`'s."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
@@ -110,9 +113,14 @@ def experts_saved(model: nn.Module, mesh: Any, model_sd: dict[str, Any], optim_s
 
     def wrap(name: str, t: Any) -> Any:
         shard = shards.get(name)
-        if shard is None or not isinstance(t, torch.Tensor) or is_dtensor(t) or t.dim() == 0:
+        if shard is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
         shape = torch.Size((shard.total, *t.shape[1:]))
+        if is_dtensor(t):  # FSDP2's Shard(0) of this rank's experts over their replicas
+            if sharded_mesh is None:
+                return t
+            return DTensor.from_local(t.to_local(), sharded_mesh["ep", "edp"], [Shard(0), Shard(0)], run_check=False,
+                                      shape=shape, stride=torch.empty(shape, device="meta").stride())
         return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 

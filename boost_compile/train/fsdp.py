@@ -112,17 +112,31 @@ def _final_norm(model: nn.Module, blocks: list[str], head: str) -> str | None:
     return name if params and params <= {"weight", "bias"} and "norm" in type(module).__name__.lower() else None
 
 
-def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forward: bool) -> list[list[str]]:
+def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forward: bool,
+                experts_mesh: Any = None) -> list[list[str]]:
     """``fully_shard`` every unit of :func:`fsdp_units`, then the root, over ``mesh`` (1-D: FSDP;
-    2-D ``(dp_replicate, dp_shard)``: HSDP). Returns the units."""
+    2-D ``(dp_replicate, dp_shard)``: HSDP). Returns the units.
+
+    Expert parallelism's experts (each rank's own already): with ``experts_mesh`` (the ranks that
+    hold the same experts, when there are several) each experts module is sharded over it first,
+    FSDP2 reduce-scattering their gradients over those replicas (their mean); without, the experts
+    are left out (``ignored_params``) and the step averages them. Their marks (``_boost_ep``) stay
+    on the sharded parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if precision == "bf16-mixed" else MixedPrecisionPolicy()
     units = fsdp_units(model)
     specs = tp_specs_by_name(model)
-    # expert parallelism's experts: already this rank's own, their gradients averaged by the step
-    experts = {p for p in model.parameters() if is_expert_parameter(p)} or None
+    marks = {name: p._boost_ep for name, p in model.named_parameters() if is_expert_parameter(p)}
+    experts = None
+    if marks and experts_mesh is not None:
+        owners = {name.rpartition(".")[0] for name in marks}
+        for owner in sorted(owners):
+            fully_shard(model.get_submodule(owner), mesh=experts_mesh, mp_policy=policy,
+                        reshard_after_forward=reshard_after_forward)
+    elif marks:  # already this rank's own, their gradients averaged by the step
+        experts = {p for p in model.parameters() if is_expert_parameter(p)}
     head = units[-1] if units and units[-1][-1] == find_head(model, find_blocks(model)) else None
     for unit in units:
         modules = [model.get_submodule(n) for n in unit]
@@ -143,6 +157,9 @@ def shard_model(model: nn.Module, mesh: Any, precision: str, reshard_after_forwa
                  "would allocate up to 2x a unit's weights again)")
     if specs:
         keep_tp_specs(model, [n for unit in units for n in unit], specs)
+    for name, p in model.named_parameters():  # fully_shard made new parameters of the experts'
+        if name in marks:
+            p._boost_ep = marks[name]
     log.info("FSDP2 over %s: %d units (%s ... %s) and the root", "x".join(map(str, mesh.shape)), len(units),
              "+".join(units[0]), "+".join(units[-1]))
     return units

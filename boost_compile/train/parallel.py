@@ -68,6 +68,9 @@ class Dist:
     ep: int = 1
     #: with ``1 < ep < dp``: the mesh ``("edp", "ep", "tp")`` of the dp ranks cut into expert groups
     ep_mesh: Any = None
+    #: with FSDP2 and expert replicas: the same ranks as ``("ep", "edp")``, whose ``Shard(0), Shard(0)``
+    #: describes experts cut by ep, then by FSDP2 over their replicas (checkpoints)
+    ep_edp_mesh: Any = None
 
     @property
     def dp_rank(self) -> int:
@@ -97,6 +100,12 @@ class Dist:
         if dim == "dp" and self.dp_mesh is not None:
             return self.dp_mesh.get_group()
         return None if self.mesh is None else self.mesh[dim].get_group()
+
+    @property
+    def experts_fsdp_mesh(self) -> Any:
+        """FSDP2 (``dp_shard > 1``) with expert replicas: the replicas' ranks, which FSDP2 shards the
+        experts over; else None (FSDP2 leaves the experts out)."""
+        return self.ep_mesh["edp"] if self.ep_mesh is not None and self.dp_shard > 1 else None
 
     @property
     def experts_mesh(self) -> Any:
@@ -179,7 +188,7 @@ def setup_distributed(tc: TrainConfig) -> Dist:
                                     **_attempt_store(rank, world, timeout))
         mesh = build_mesh(device, par.dp, par.tp, par.pp, par.dp_shard)
     dp_mesh = compat.flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp") if mesh is not None and par.dp_shard > 1 else None
-    ep_mesh = None
+    ep_mesh = ep_edp_mesh = None
     if mesh is not None and 1 < par.ep < par.data_ranks:  # data rank = edp * ep + its place in the expert group
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -188,8 +197,16 @@ def setup_distributed(tc: TrainConfig) -> Dist:
         if par.pp > 1:
             dims, names = (par.pp, *dims), ("pp", *names)
         ep_mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
+        if par.dp_shard > 1:  # the same ranks, ep before edp (every rank builds it: a collective)
+            from torch.distributed.device_mesh import DeviceMesh
+
+            at = names.index("edp")
+            order = list(range(len(names)))
+            order[at], order[at + 1] = at + 1, at
+            ep_edp_mesh = DeviceMesh(device.type, ep_mesh.mesh.permute(order),
+                                     mesh_dim_names=tuple(names[i] for i in order))
     return Dist(world=world, rank=rank, dp=par.data_ranks, tp=par.tp, device=device, mesh=mesh, pp=par.pp,
-                dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep, ep_mesh=ep_mesh)
+                dp_shard=par.dp_shard, dp_mesh=dp_mesh, ep=par.ep, ep_mesh=ep_mesh, ep_edp_mesh=ep_edp_mesh)
 
 
 def attempt() -> int:
@@ -455,7 +472,8 @@ def _fsdp_model_parts(model: nn.Module, tc: TrainConfig, dev: Dist, bind: Callab
     from boost_compile.train.fsdp import shard_model
 
     compiled = compile_model(model, tc, recorder=recorder)
-    shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
+    shard_model(compiled, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward,
+                dev.experts_fsdp_mesh)
     if source is not None:
         materialize_part(model, source, dev.device, "its FSDP2 shards")
     if bind is not None:

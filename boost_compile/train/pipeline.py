@@ -218,7 +218,8 @@ def _shard_stages(stages: Sequence[nn.Module], indices: Sequence[int], tc: Train
         if compat.is_compiled_module(stage):
             raise ConfigError(f"parallel.dp_shard > 1 with pp: stage {i} was compiled whole; FSDP2 shards stages whose "
                               "blocks are compiled one by one (passes.unit=block)")
-        shard_model(stage, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward)
+        shard_model(stage, fsdp_mesh(dev), tc.trainer.precision, tc.parallel.reshards_after_forward,
+                    dev.experts_fsdp_mesh)
 
 
 def stage_recompile_limit(tc: TrainConfig) -> contextlib.AbstractContextManager[None]:

@@ -79,7 +79,7 @@ def average_expert_replicas(model: nn.Module, dev: Dist) -> None:
     An expert's gradient on a rank is the mean over its expert group's tokens (the 1/ep inside the
     dispatch, expert_parallel.py); the data-parallel mean over every rank's tokens is the mean of
     those over the replicas: one all-reduce of every expert gradient, flattened, per step."""
-    if dev.ep_mesh is None:
+    if dev.ep_mesh is None or dev.experts_fsdp_mesh is not None:  # FSDP2 reduce-scatters them over the replicas
         return
     grads = [p.grad for p in model.parameters() if getattr(p, "_boost_ep", None) is not None and p.grad is not None]
     if not grads:

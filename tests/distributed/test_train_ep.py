@@ -108,12 +108,18 @@ def test_ep2_under_fsdp2_trains_like_one_process(references, tmp_path):
 
 @pytest.mark.extended
 def test_ep2_under_hsdp_trains_like_one_process_and_resumes_in_one(references, tmp_path):
-    """HSDP 2 x 2, compiled per block: two expert groups of 2 ranks, replicas averaged; the checkpoint
-    (FSDP2's DTensors, the experts Replicate x Shard(0)) resumes in one process."""
+    """HSDP 2 x 2, compiled per block: two expert groups of 2 ranks, each rank's experts FSDP2-sharded
+    over their 2 replicas; the checkpoint (the experts Shard(0) by ep, then by FSDP2) resumes in one
+    process."""
     out = tmp_path / "run"
     summary = torchrun(4, [*ONE, "passes=boost_aot_eager", "parallel.dp=2", "parallel.dp_shard=2", "parallel.ep=2"],
                        out)
     assert_train_parity(summary, references, "EP2 x HSDP 2x2")
+    # a rank: its half of the experts, FSDP2-sharded over its 2 replicas (a quarter), and half of the rest
+    cfg = LlamaConfig.preset("tiny-moe")
+    experts = cfg.n_layers * experts_params(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.rank_mlp)
+    want = (experts / 4 + (cfg.num_params() - experts) / 2) * 4 / 2**20
+    assert summary["state_mib"]["params"] == pytest.approx(want, rel=2e-2)
     resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
                          f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
     assert_train_parity(resumed, references, "EP2 x HSDP -> one process", first=2)
