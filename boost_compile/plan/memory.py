@@ -374,17 +374,26 @@ def _unit_sizes(spec: ModelSpec, plan: str, tp: int, vocab_parallel: bool,
 
 
 def _rank_share(spec: ModelSpec, tensors: tuple[Tensor, ...], plan: str, tp: int, vocab_parallel: bool,
-                stages: tuple[range, ...], pp: int, rank: int, dp_shard: int, ep: int = 1) -> tuple[list[int], set[int], bool, bool]:
+                stages: tuple[range, ...], pp: int, rank: int, dp_shard: int, ep: int = 1,
+                replicas: int = 1) -> tuple[list[int], set[int], bool, bool]:
     """Pipeline rank ``rank``'s tensors (it holds stages rank, rank + pp, ...): each one's local elements
-    (its FSDP2 slice when ``dp_shard > 1``, its experts' share under ``ep``, whole: FSDP2 ignores the
-    experts under EP), its blocks, and whether it holds the first and the last stage.
+    (its FSDP2 slice when ``dp_shard > 1``, its experts' share under ``ep``: whole where FSDP2 ignores
+    them, its slice over their ``replicas`` where FSDP2 shards them over those), its blocks, and whether
+    it holds the first and the last stage.
     ``tensors``: ``spec.tensors()``, made once by the caller (the search prices thousands of layouts)."""
     mine = range(rank, len(stages), pp)
     blocks = {b for i in mine for b in stages[i]}
     first, last = 0 in mine, len(stages) - 1 in mine
     held = [(t, k) for t, k in zip(tensors, _local_numels(spec, plan, tp, vocab_parallel, ep), strict=True)
              if t.block in blocks or (t.block < 0 and _outside_on(t, first, last))]
-    numels = [k if dp_shard == 1 or (ep > 1 and t.role == "expert") else fsdp_shard(k, dp_shard) for t, k in held]
+    def share(t: Tensor, k: int) -> int:
+        if dp_shard == 1:
+            return k
+        if ep > 1 and t.role == "expert":
+            return fsdp_shard(k, replicas) if replicas > 1 else k
+        return fsdp_shard(k, dp_shard)
+
+    numels = [share(t, k) for t, k in held]
     return numels, blocks, first, last
 
 
@@ -414,9 +423,12 @@ def memory(
     m = microbatches if pp > 1 else 1
     tokens = replica // m * seq
     tensors = spec.tensors()
+    # FSDP2 with expert replicas: each experts module sharded over the ranks holding the same experts
+    replicas = dp * dp_shard // ep if ep > 1 and dp_shard > 1 else 1
     best: Memory | None = None
     for rank in range(pp) if pp_rank is None else (pp_rank,):  # pipeline rank r holds stages r, r + pp, ...
-        numels, blocks, first, last = _rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard, ep)
+        numels, blocks, first, last = _rank_share(spec, tensors, plan, tp, vocab_parallel, stages, pp, rank, dp_shard, ep,
+                                                  replicas)
         n = sum(numels)
         experts = sum(expert_share(t.numel, ep) for t in tensors if t.role == "expert" and t.block in blocks) if ep > 1 else 0
         opt = 2 * (zero_share(numels, dp) if zero and dp > 1 and dp_shard == 1 else n)
@@ -452,8 +464,12 @@ def memory(
             spec, plan, tp, prec, reshard_after_forward=reshard_after_forward, accumulating=accumulating,
             vocab_parallel=vocab_parallel, stage=(blocks, first, last) if pp > 1 else None,
             one_microbatch=int(saved_mb + stream_src), ep=ep)
-        if dp_shard > 1 and accumulating:  # EP's experts (FSDP2's ignored) keep their whole gradients too
+        if dp_shard > 1 and accumulating:  # EP's experts keep their whole gradients too
             fsdp["fsdp_accum"] += experts * prec.weights
+        if replicas > 1:  # FSDP2 gathers each experts module for its block: one at a time, or all (noreshard)
+            by_block = [sum(expert_share(t.numel, ep) for t in tensors if t.role == "expert" and t.block == b)
+                        for b in blocks]
+            fsdp["fsdp_gathered"] += (max(by_block, default=0) if reshard_after_forward else sum(by_block)) * prec.gathered
         # the backward recomputes one block at a time: its tensors that checkpointing did not keep
         recompute = 0.0
         if checkpoint != "none" and blocks:
@@ -475,7 +491,7 @@ def memory(
         at_reduce = terms["grads"] + reduce_input + sum(fsdp.values()) if piped_fsdp else 0
         at_optimizer = terms["grads"] + update
         # ep below the data ranks: the experts' gradients flattened into one tensor for the replicas' all-reduce
-        flat = experts * prec.weights if ep > 1 and dp * dp_shard > ep else 0
+        flat = experts * prec.weights if ep > 1 and dp * dp_shard > ep and dp_shard == 1 else 0
         at_replicas = terms["grads"] + flat if flat else 0
         phase = max((backward, "backward"), (at_reduce, "reduce"), (at_replicas, "replicas"), (at_optimizer, "optimizer"),
                     key=lambda x: x[0])[1]
