@@ -240,10 +240,9 @@ def expert_replicas_time(moe: Moe, dp: int, hw: Hardware, wl: sm.Workload) -> fl
     if replicas <= 1 or not moe.expert_params:
         return 0.0
     size = moe.expert_params * wl.grad_bytes
-    across = moe.replicas_across_nodes and hw.internode_bus_bandwidth
-    bandwidth = hw.internode_bus_bandwidth if across else hw.allreduce_bus_bandwidth
-    copies = sm.elementwise_time(REPLICA_PASSES * size, hw)
-    return hw.collective_latency + 2 * (replicas - 1) / replicas * size / bandwidth + copies
+    ring = replace(hw, allreduce_bus_bandwidth=hw.internode_bus_bandwidth) \
+        if moe.replicas_across_nodes and hw.internode_bus_bandwidth else hw
+    return sm.allreduce_time(1, size, replicas, ring) + sm.elementwise_time(REPLICA_PASSES * size, hw)
 
 
 def with_moe(pred: sm.Prediction, moe: Moe | None, system: str, shape: sm.Shape, *, batch: int, seq: int, tp: int,
