@@ -57,6 +57,13 @@ def _assert_ep2_run(summary, references, out, what):
     assert all(r["experts_max_over_mean"] >= 1.0 for r in rows)
 
 
+def _assert_resumes_in_one(out, one, references, what, tmp_path):
+    """The run in ``out``'s step-2 checkpoint, resumed in one process: the references' later steps."""
+    resumed = run(cfg_of(*one, "passes=none", "trainer.resume=true",
+                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
+    assert_train_parity(resumed, references, f"{what} -> one process", first=2)
+
+
 def test_ep2_trains_like_one_process(ep2, references):
     summary, out = ep2
     _assert_ep2_run(summary, references, out, "EP2 (tiny-moe)")
@@ -79,9 +86,7 @@ def test_hf_moe_ep2_trains_like_one_process(tmp_path):
 
 def test_ep2_checkpoint_resumes_in_one_process(ep2, references, tmp_path):
     _, out = ep2
-    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 -> one process", first=2)
+    _assert_resumes_in_one(out, ONE, references, "EP2", tmp_path)
 
 
 def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
@@ -92,9 +97,7 @@ def test_ep2_over_dp4_trains_like_one_process(references, tmp_path):
     summary = torchrun(4, [*ONE, "passes=none", "parallel.dp=4", "parallel.ep=2"], out)
     assert_train_parity(summary, references, "EP2 over DP4")
     assert "2 experts a layer on this rank" in (out / "train.log").read_text()
-    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 over DP4 -> one process", first=2)
+    _assert_resumes_in_one(out, ONE, references, "EP2 over DP4", tmp_path)
 
 
 @pytest.mark.extended
@@ -120,9 +123,7 @@ def test_ep2_under_hsdp_trains_like_one_process_and_resumes_in_one(references, t
     experts = cfg.n_layers * experts_params(cfg.n_experts, cfg.dim, cfg.expert_ffn_dim, cfg.rank_mlp)
     want = (experts / 4 + (cfg.num_params() - experts) / 2) * 4 / 2**20
     assert summary["state_mib"]["params"] == pytest.approx(want, rel=2e-2)
-    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 x HSDP -> one process", first=2)
+    _assert_resumes_in_one(out, ONE, references, "EP2 x HSDP", tmp_path)
 
 
 @pytest.mark.extended
@@ -132,9 +133,7 @@ def test_ep2_under_pipeline_stages_trains_like_one_process_and_resumes_in_one(re
     out = tmp_path / "run"
     summary = torchrun(4, [*ONE, "passes=none", "parallel.pp=2", "parallel.dp=2", "parallel.ep=2"], out)
     assert_train_parity(summary, references, "EP2 x PP2")
-    resumed = run(cfg_of(*ONE, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 x PP2 -> one process", first=2)
+    _assert_resumes_in_one(out, ONE, references, "EP2 x PP2", tmp_path)
 
 
 @pytest.mark.extended
@@ -154,9 +153,7 @@ def test_ep2_x_fsdp2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
     out = tmp_path / "run"
     summary = torchrun(4, [*one, "passes=boost_aot_eager", "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"], out)
     assert_train_parity(summary, references, "EP2 x FSDP2 x TP2")
-    resumed = run(cfg_of(*one, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 x FSDP2 x TP2 -> one process", first=2)
+    _assert_resumes_in_one(out, one, references, "EP2 x FSDP2 x TP2", tmp_path)
 
 
 @pytest.mark.extended
@@ -185,9 +182,7 @@ def test_ep2_x_tp2_trains_like_one_process_and_resumes_in_one(tmp_path):
     out = tmp_path / "run"
     summary = torchrun(4, [*one, "passes=boost_aot_eager", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"], out)
     assert_train_parity(summary, references, "EP2 x TP2")
-    resumed = run(cfg_of(*one, "passes=none", "trainer.resume=true",
-                         f"checkpoint.resume_from={out / 'checkpoints' / 'step_000002'}"), tmp_path / "one")
-    assert_train_parity(resumed, references, "EP2 x TP2 -> one process", first=2)
+    _assert_resumes_in_one(out, one, references, "EP2 x TP2", tmp_path)
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
